@@ -1,0 +1,141 @@
+//! Settings shared by every subcommand, each read from a flag, else from the
+//! environment (the standard `AWS_ENDPOINT_URL`, `AWS_REGION` and
+//! `DATABASE_URL`, plus `KEYFENCE_*`), else a default that suits the local
+//! stack. Values are validated when parsed, so a bad setting stops start-up
+//! with a message naming it; secrets never appear in `Debug` output.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::{Args, Parser};
+use sqlx::postgres::PgConnectOptions;
+
+/// Where the key table lives and how the SDK talks to it.
+#[derive(Args, Clone, Debug)]
+pub struct KeyStoreSettings {
+    /// DynamoDB table holding the idempotency keys.
+    #[arg(long = "table", env = "KEYFENCE_TABLE", default_value = "keyfence-keys", value_parser = parse_table_name)]
+    pub table: String,
+    /// DynamoDB endpoint; unset means AWS itself. Local: http://127.0.0.1:4566.
+    #[arg(long, env = "AWS_ENDPOINT_URL")]
+    pub aws_endpoint_url: Option<String>,
+    /// AWS region of the key table.
+    #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
+    pub aws_region: String,
+    /// Attempts per key-store request, the first included (SDK standard retry mode).
+    #[arg(long = "keystore-attempts", env = "KEYFENCE_KEYSTORE_ATTEMPTS", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..=10))]
+    pub max_attempts: u32,
+    /// Time limit of one key-store attempt, in milliseconds.
+    #[arg(long = "keystore-attempt-timeout-ms", env = "KEYFENCE_KEYSTORE_ATTEMPT_TIMEOUT_MS",
+          default_value = "5000", value_parser = parse_millis)]
+    pub attempt_timeout: Duration,
+}
+
+/// Where the regional ledger lives.
+#[derive(Args, Clone, Debug)]
+pub struct LedgerSettings {
+    /// PostgreSQL URL of this region's ledger (created by `migrate` if missing).
+    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/keyfence", hide_env_values = true)]
+    pub database_url: DatabaseUrl,
+}
+
+impl KeyStoreSettings {
+    /// The settings as flags-less start-up would see them: environment, then defaults.
+    pub fn from_env() -> Result<Self, clap::Error> {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            settings: KeyStoreSettings,
+        }
+        Ok(Only::try_parse_from(["keyfence"])?.settings)
+    }
+}
+
+impl LedgerSettings {
+    /// The settings as flags-less start-up would see them: environment, then defaults.
+    pub fn from_env() -> Result<Self, clap::Error> {
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            settings: LedgerSettings,
+        }
+        Ok(Only::try_parse_from(["keyfence"])?.settings)
+    }
+}
+
+/// A PostgreSQL URL, checked when parsed; `Debug` and `Display` hide the password.
+#[derive(Clone)]
+pub struct DatabaseUrl {
+    url: String,
+    options: PgConnectOptions,
+}
+
+impl DatabaseUrl {
+    pub fn options(&self) -> &PgConnectOptions {
+        &self.options
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.url
+    }
+}
+
+impl FromStr for DatabaseUrl {
+    type Err = String;
+
+    fn from_str(url: &str) -> Result<Self, Self::Err> {
+        let options = url.parse::<PgConnectOptions>().map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
+        Ok(Self { url: url.to_owned(), options })
+    }
+}
+
+impl fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let o = &self.options;
+        write!(f, "postgres://{}@{}:{}/{}", o.get_username(), o.get_host(), o.get_port(), o.get_database().unwrap_or(""))
+    }
+}
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DatabaseUrl({self})")
+    }
+}
+
+fn parse_table_name(name: &str) -> Result<String, String> {
+    let valid = (3..=255).contains(&name.len())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if valid {
+        Ok(name.to_owned())
+    } else {
+        Err("a DynamoDB table name is 3-255 characters of letters, digits, '_', '-' and '.'".into())
+    }
+}
+
+fn parse_millis(raw: &str) -> Result<Duration, String> {
+    match raw.parse::<u64>() {
+        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+        _ => Err("expected a positive number of milliseconds".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_url_hides_its_password() {
+        let url: DatabaseUrl = "postgres://app:s3cret@db.internal:6432/ledger".parse().unwrap();
+        assert_eq!(url.to_string(), "postgres://app@db.internal:6432/ledger");
+        assert!(!format!("{url:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn table_names_are_checked() {
+        assert!(parse_table_name("keyfence-keys").is_ok());
+        assert!(parse_table_name("k").is_err());
+        assert!(parse_table_name("bad name").is_err());
+    }
+}

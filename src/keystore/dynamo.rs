@@ -1,0 +1,365 @@
+//! `DynamoKeyStore`: the key store on a DynamoDB table (AWS, LocalStack or the
+//! bundled emulator, chosen only by endpoint). Each operation is one request;
+//! retries are the SDK's own (configured in [`connect`]), which is why every
+//! write recognises its own earlier success: a retried claim whose first
+//! attempt landed finds an item with its own owner and treats it as won.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use aws_config::BehaviorVersion;
+use aws_config::retry::RetryConfig;
+use aws_config::timeout::TimeoutConfig;
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::config::{Credentials, Region};
+use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
+use aws_sdk_dynamodb::operation::put_item::PutItemError;
+use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
+use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
+
+use super::item::{attr, decode, encode, encode_response, n, s};
+use super::{Claim, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release};
+use crate::config::KeyStoreSettings;
+use crate::domain::{Fence, Millis, Owner, ScopedKey};
+
+type Attrs = HashMap<String, AttributeValue>;
+
+/// Builds the DynamoDB client every command uses: region and endpoint from
+/// the settings (which read `AWS_REGION` and `AWS_ENDPOINT_URL`), the SDK's
+/// standard retry mode with bounded attempts, and per-attempt timeouts so a
+/// hung connection becomes a retry rather than a hung request.
+pub async fn connect(settings: &KeyStoreSettings) -> Client {
+    let mut loader = aws_config::defaults(BehaviorVersion::latest())
+        .region(Region::new(settings.aws_region.clone()))
+        .retry_config(
+            RetryConfig::standard()
+                .with_max_attempts(settings.max_attempts)
+                .with_initial_backoff(Duration::from_millis(25)),
+        )
+        .timeout_config(
+            TimeoutConfig::builder()
+                .connect_timeout(Duration::from_secs(3))
+                .operation_attempt_timeout(settings.attempt_timeout)
+                .build(),
+        );
+    if let Some(endpoint) = &settings.aws_endpoint_url {
+        loader = loader.endpoint_url(endpoint);
+        // A local endpoint needs some credentials but never real ones.
+        if std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none() {
+            loader = loader.credentials_provider(Credentials::new("test", "test", None, None, "keyfence-local"));
+        }
+    }
+    Client::new(&loader.load().await)
+}
+
+#[derive(Clone, Debug)]
+pub struct DynamoKeyStore {
+    client: Client,
+    table: String,
+}
+
+impl DynamoKeyStore {
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        Self { client, table: table.into() }
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    fn pk(key: &ScopedKey) -> AttributeValue {
+        s(key.partition_key())
+    }
+}
+
+/// Names used in every condition; `state` and `owner` are reserved words.
+fn names() -> HashMap<String, String> {
+    [
+        ("#state", attr::STATE),
+        ("#fence", attr::FENCE),
+        ("#lease", attr::LEASE_UNTIL),
+        ("#owner", attr::OWNER),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+const OWNED_AND_STARTED: &str = "#fence = :mine AND #state = :started";
+
+impl KeyStore for DynamoKeyStore {
+    #[tracing::instrument(skip_all, fields(pk = %claim.key))]
+    async fn claim(&self, claim: &Claim) -> Result<KeyItem, KeyStoreError> {
+        let item = KeyItem::claimed(claim);
+        let sent = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(encode(&item)))
+            .condition_expression("attribute_not_exists(pk)")
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(_) => Ok(item),
+            Err(Failure::Condition(Some(existing))) => {
+                let existing = decode(&existing)?;
+                if existing.owner == claim.owner && existing.fence == Fence::FIRST {
+                    Ok(existing)
+                } else {
+                    Err(KeyStoreError::Taken(Some(Box::new(existing))))
+                }
+            }
+            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
+            Err(Failure::Store(e)) => Err(e),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key, seen = %seen))]
+    async fn take_over(&self, key: &ScopedKey, seen: Fence, owner: &Owner, lease: Lease) -> Result<KeyItem, KeyStoreError> {
+        let sent = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .update_expression("SET #fence = :next, #lease = :until, #owner = :owner")
+            .condition_expression("#state = :started AND #lease < :now AND #fence = :seen")
+            .set_expression_attribute_names(Some(names()))
+            .expression_attribute_values(":next", n(seen.next().get()))
+            .expression_attribute_values(":until", n(lease.until().get()))
+            .expression_attribute_values(":owner", s(owner.as_str()))
+            .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+            .expression_attribute_values(":now", n(lease.now.get()))
+            .expression_attribute_values(":seen", n(seen.get()))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
+            Err(Failure::Condition(Some(current))) => {
+                let current = decode(&current)?;
+                let ours = current.owner == *owner && current.fence == seen.next() && current.state == KeyState::Started;
+                if ours { Ok(current) } else { Err(KeyStoreError::Taken(Some(Box::new(current)))) }
+            }
+            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
+            Err(Failure::Store(e)) => Err(e),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence))]
+    async fn heartbeat(&self, key: &ScopedKey, fence: Fence, lease: Lease) -> Result<Millis, KeyStoreError> {
+        let sent = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .update_expression("SET #lease = :until")
+            .condition_expression(OWNED_AND_STARTED)
+            .set_expression_attribute_names(Some(names_for(&["#lease", "#fence", "#state"])))
+            .expression_attribute_values(":until", n(lease.until().get()))
+            .expression_attribute_values(":mine", n(fence.get()))
+            .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(_) => Ok(lease.until()),
+            Err(failure) => Err(fenced_out(failure)?),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence))]
+    async fn finish(&self, key: &ScopedKey, fence: Fence, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
+        let mut values: Attrs = encode_response(&finish.response)
+            .into_iter()
+            .map(|(name, value)| (format!(":{name}"), value))
+            .collect();
+        values.insert(":finished".into(), s(KeyState::Finished.as_str()));
+        values.insert(":expires".into(), n(finish.expires_at.as_secs()));
+        values.insert(":mine".into(), n(fence.get()));
+        values.insert(":started".into(), s(KeyState::Started.as_str()));
+        let sent = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .update_expression(format!(
+                "SET #state = :finished, {st} = :{st}, {hd} = :{hd}, {bd} = :{bd}, {ex} = :expires REMOVE {inf}",
+                st = attr::RESPONSE_STATUS,
+                hd = attr::RESPONSE_HEADERS,
+                bd = attr::RESPONSE_BODY,
+                ex = attr::EXPIRES_AT,
+                inf = attr::INFLIGHT,
+            ))
+            .condition_expression(OWNED_AND_STARTED)
+            .set_expression_attribute_names(Some(names_for(&["#state", "#fence"])))
+            .set_expression_attribute_values(Some(values))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
+            // Our own earlier attempt may have landed before a retry.
+            Err(Failure::Condition(Some(current))) => {
+                let current = decode(&current)?;
+                if current.state == KeyState::Finished && current.fence == fence {
+                    Ok(current)
+                } else {
+                    Err(KeyStoreError::FencedOut(Some(Box::new(current))))
+                }
+            }
+            Err(failure) => Err(fenced_out(failure)?),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence, how = ?how))]
+    async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
+        let sent = match how {
+            Release::Forget => self
+                .client
+                .delete_item()
+                .table_name(&self.table)
+                .key(attr::PK, Self::pk(key))
+                .condition_expression(OWNED_AND_STARTED)
+                .set_expression_attribute_names(Some(names_for(&["#fence", "#state"])))
+                .expression_attribute_values(":mine", n(fence.get()))
+                .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+                .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(classify),
+            Release::Reopen => self
+                .client
+                .update_item()
+                .table_name(&self.table)
+                .key(attr::PK, Self::pk(key))
+                .update_expression("SET #lease = :zero")
+                .condition_expression(OWNED_AND_STARTED)
+                .set_expression_attribute_names(Some(names_for(&["#fence", "#state", "#lease"])))
+                .expression_attribute_values(":zero", n(0))
+                .expression_attribute_values(":mine", n(fence.get()))
+                .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+                .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(classify),
+        };
+        match sent {
+            Ok(()) => Ok(()),
+            // Gone already: our own earlier attempt deleted it.
+            Err(Failure::Condition(None)) if how == Release::Forget => Ok(()),
+            Err(failure) => Err(fenced_out(failure)?),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key))]
+    async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| store_error(&e))?;
+        out.item().map(decode).transpose()
+    }
+}
+
+/// DynamoDB rejects expression attribute names that the expression does not
+/// use, so operations with fewer placeholders pass only theirs.
+fn names_for(used: &[&str]) -> HashMap<String, String> {
+    names().into_iter().filter(|(k, _)| used.contains(&k.as_str())).collect()
+}
+
+/// A failed request: either its condition did not hold (with the item as it
+/// stood, when it exists) or the store itself failed.
+enum Failure {
+    Condition(Option<Attrs>),
+    Store(KeyStoreError),
+}
+
+/// For fenced writes a failed condition means someone else owns the key now.
+fn fenced_out(failure: Failure) -> Result<KeyStoreError, KeyStoreError> {
+    match failure {
+        Failure::Condition(current) => Ok(KeyStoreError::FencedOut(current.map(|c| decode(&c)).transpose()?.map(Box::new))),
+        Failure::Store(e) => Err(e),
+    }
+}
+
+/// The operations whose errors can be a failed condition.
+trait ConditionFailure {
+    /// `Some(item)` if the error is a failed condition, with the old item.
+    fn condition_item(&self) -> Option<Option<&Attrs>>;
+}
+
+impl ConditionFailure for PutItemError {
+    fn condition_item(&self) -> Option<Option<&Attrs>> {
+        match self {
+            PutItemError::ConditionalCheckFailedException(e) => Some(e.item()),
+            _ => None,
+        }
+    }
+}
+
+impl ConditionFailure for UpdateItemError {
+    fn condition_item(&self) -> Option<Option<&Attrs>> {
+        match self {
+            UpdateItemError::ConditionalCheckFailedException(e) => Some(e.item()),
+            _ => None,
+        }
+    }
+}
+
+impl ConditionFailure for DeleteItemError {
+    fn condition_item(&self) -> Option<Option<&Attrs>> {
+        match self {
+            DeleteItemError::ConditionalCheckFailedException(e) => Some(e.item()),
+            _ => None,
+        }
+    }
+}
+
+fn classify<E, R>(err: SdkError<E, R>) -> Failure
+where
+    E: ConditionFailure + ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    if let Some(item) = err.as_service_error().and_then(ConditionFailure::condition_item) {
+        return Failure::Condition(item.cloned());
+    }
+    Failure::Store(store_error(&err))
+}
+
+/// Separates throttling and unavailability (transient, worth a client retry)
+/// from faults (configuration or data problems).
+fn store_error<E, R>(err: &SdkError<E, R>) -> KeyStoreError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    let message = DisplayErrorContext(err).to_string();
+    match err {
+        SdkError::ServiceError(ctx) => match ctx.err().code() {
+            Some("ProvisionedThroughputExceededException" | "RequestLimitExceeded" | "ThrottlingException") => {
+                KeyStoreError::Throttled(message)
+            }
+            Some("InternalServerError" | "ServiceUnavailable") => KeyStoreError::Unavailable(message),
+            _ => KeyStoreError::Fault(message),
+        },
+        SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => {
+            KeyStoreError::Unavailable(message)
+        }
+        _ => KeyStoreError::Fault(message),
+    }
+}

@@ -1,0 +1,108 @@
+//! `MemoryKeyStore`: the key-store protocol as plain Rust over a map, the
+//! reference model that property tests compare `DynamoKeyStore` against.
+//! It is never wired into the service: an in-process map cannot arbitrate
+//! between processes or regions.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::{Claim, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release};
+use crate::domain::{Fence, Millis, Owner, ScopedKey};
+
+#[derive(Debug, Default)]
+pub struct MemoryKeyStore {
+    items: Mutex<HashMap<String, KeyItem>>,
+}
+
+impl MemoryKeyStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn with_items<T>(&self, f: impl FnOnce(&mut HashMap<String, KeyItem>) -> T) -> T {
+        f(&mut self.items.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+}
+
+fn owned_and_started(item: &KeyItem, fence: Fence) -> bool {
+    item.fence == fence && item.state == KeyState::Started
+}
+
+fn fenced_out(current: Option<&KeyItem>) -> KeyStoreError {
+    KeyStoreError::FencedOut(current.cloned().map(Box::new))
+}
+
+impl KeyStore for MemoryKeyStore {
+    async fn claim(&self, claim: &Claim) -> Result<KeyItem, KeyStoreError> {
+        self.with_items(|items| match items.get(&claim.key.partition_key()) {
+            Some(existing) if existing.owner == claim.owner && existing.fence == Fence::FIRST => Ok(existing.clone()),
+            Some(existing) => Err(KeyStoreError::Taken(Some(Box::new(existing.clone())))),
+            None => {
+                let item = KeyItem::claimed(claim);
+                items.insert(claim.key.partition_key(), item.clone());
+                Ok(item)
+            }
+        })
+    }
+
+    async fn take_over(&self, key: &ScopedKey, seen: Fence, owner: &Owner, lease: Lease) -> Result<KeyItem, KeyStoreError> {
+        self.with_items(|items| {
+            let Some(item) = items.get_mut(&key.partition_key()) else {
+                return Err(KeyStoreError::Taken(None));
+            };
+            let stale = item.state == KeyState::Started && item.lease_until < lease.now && item.fence == seen;
+            let ours = item.owner == *owner && item.fence == seen.next() && item.state == KeyState::Started;
+            if stale {
+                item.fence = seen.next();
+                item.lease_until = lease.until();
+                item.owner = owner.clone();
+            }
+            if stale || ours { Ok(item.clone()) } else { Err(KeyStoreError::Taken(Some(Box::new(item.clone())))) }
+        })
+    }
+
+    async fn heartbeat(&self, key: &ScopedKey, fence: Fence, lease: Lease) -> Result<Millis, KeyStoreError> {
+        self.with_items(|items| match items.get_mut(&key.partition_key()) {
+            Some(item) if owned_and_started(item, fence) => {
+                item.lease_until = lease.until();
+                Ok(item.lease_until)
+            }
+            other => Err(fenced_out(other.as_deref())),
+        })
+    }
+
+    async fn finish(&self, key: &ScopedKey, fence: Fence, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
+        self.with_items(|items| match items.get_mut(&key.partition_key()) {
+            Some(item) if owned_and_started(item, fence) => {
+                item.state = KeyState::Finished;
+                item.response = Some(finish.response.clone());
+                item.expires_at = Some(finish.expires_at.as_secs());
+                Ok(item.clone())
+            }
+            Some(item) if item.state == KeyState::Finished && item.fence == fence => Ok(item.clone()),
+            other => Err(fenced_out(other.as_deref())),
+        })
+    }
+
+    async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
+        self.with_items(|items| {
+            let pk = key.partition_key();
+            match (items.get_mut(&pk), how) {
+                (Some(item), Release::Forget) if owned_and_started(item, fence) => {
+                    items.remove(&pk);
+                    Ok(())
+                }
+                (Some(item), Release::Reopen) if owned_and_started(item, fence) => {
+                    item.lease_until = Millis::new(0);
+                    Ok(())
+                }
+                (None, Release::Forget) => Ok(()),
+                (other, _) => Err(fenced_out(other.as_deref())),
+            }
+        })
+    }
+
+    async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
+        Ok(self.with_items(|items| items.get(&key.partition_key()).cloned()))
+    }
+}

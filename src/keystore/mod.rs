@@ -1,0 +1,122 @@
+//! The key store: the one consistent place, shared by every region, that
+//! decides who owns an idempotency key. Every operation is a single
+//! conditional write (or a consistent read) on one item, and every write by
+//! an owner carries its fencing token, so a superseded owner is rejected by
+//! the store itself rather than by anyone's good behaviour.
+//!
+//! Lifecycle of an item: `claim` creates it (`started`, fence 1); `take_over`
+//! replaces a stale owner (fence + 1); `heartbeat` extends the lease; `finish`
+//! stores the final answer (`finished`); `release` hands back a key whose
+//! attempt failed transiently. `DynamoKeyStore` is the product's store;
+//! `MemoryKeyStore` is a reference model for property tests only.
+
+mod dynamo;
+mod error;
+mod item;
+mod memory;
+mod table;
+
+use std::future::Future;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey};
+
+pub use dynamo::{DynamoKeyStore, connect};
+pub use error::KeyStoreError;
+pub use item::{KeyItem, KeyState, StoredResponse};
+pub use memory::MemoryKeyStore;
+pub use table::{INFLIGHT_INDEX, TableChange, delete_table, ensure_table};
+
+/// A lease as the caller sees it: taken at `now`, held for `length`.
+#[derive(Clone, Copy, Debug)]
+pub struct Lease {
+    pub now: Millis,
+    pub length: Duration,
+}
+
+impl Lease {
+    pub fn until(&self) -> Millis {
+        self.now.plus(self.length)
+    }
+}
+
+/// Everything a first attempt writes when it claims a key.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub key: ScopedKey,
+    pub request_hash: RequestHash,
+    /// The canonical request, kept so the reconciler can rebuild a payment
+    /// that a failover erased from the regional ledger.
+    pub request: Vec<u8>,
+    /// Fixed at claim, so every resumer and repair works on the same payment.
+    pub payment_id: Uuid,
+    pub owner: Owner,
+    pub home_region: String,
+    pub lease: Lease,
+}
+
+/// The final answer of a request, stored when it finishes.
+#[derive(Clone, Debug)]
+pub struct Finish {
+    pub response: StoredResponse,
+    /// When the store may reap the finished item (DynamoDB TTL).
+    pub expires_at: Millis,
+}
+
+/// How an owner gives a key back after a transient failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    /// Nothing was committed anywhere: delete the claim, as if never made.
+    Forget,
+    /// Work was committed: keep the item but end the lease, so the next
+    /// retry or the recovery worker resumes at once instead of waiting.
+    Reopen,
+}
+
+/// The conditional operations on key items. Failed conditions come back as
+/// [`KeyStoreError::Taken`] or [`KeyStoreError::FencedOut`] carrying the item
+/// as it stood, so a loser learns the current state without a second read.
+pub trait KeyStore: Send + Sync {
+    /// Creates the item if the key was never seen. A loser gets
+    /// `Taken(existing)` from the same round trip.
+    fn claim(&self, claim: &Claim) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
+
+    /// Replaces the owner of a started item whose lease ended before
+    /// `lease.now`, if its fence is still `seen`. Exactly one racer wins.
+    fn take_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+    ) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
+
+    /// Extends the lease of the owner holding `fence`; returns the new end.
+    fn heartbeat(
+        &self,
+        key: &ScopedKey,
+        fence: Fence,
+        lease: Lease,
+    ) -> impl Future<Output = Result<Millis, KeyStoreError>> + Send;
+
+    /// Stores the final answer if `fence` still owns the started item.
+    fn finish(
+        &self,
+        key: &ScopedKey,
+        fence: Fence,
+        finish: &Finish,
+    ) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
+
+    /// Hands the key back after a transient failure, if `fence` still owns it.
+    fn release(
+        &self,
+        key: &ScopedKey,
+        fence: Fence,
+        how: Release,
+    ) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
+
+    /// A strongly consistent read of the item.
+    fn get(&self, key: &ScopedKey) -> impl Future<Output = Result<Option<KeyItem>, KeyStoreError>> + Send;
+}

@@ -1,0 +1,88 @@
+//! The regional ledger on PostgreSQL: requests with their fence and recovery
+//! point, payments, double-entry postings and external-call records. The
+//! schema lives in `migrations/`; the one rule every write obeys lives in
+//! [`phase`]: a phase is a transaction that first proves its fence is current.
+
+mod error;
+mod phase;
+
+use sqlx::migrate::{MigrateDatabase, Migrator};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::Postgres;
+use time::OffsetDateTime;
+
+use crate::config::LedgerSettings;
+use crate::domain::Millis;
+
+pub use error::LedgerError;
+pub use phase::{Phase, RequestRecord};
+
+/// The ledger's migrations, embedded in the binary.
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// A handle on one region's ledger.
+#[derive(Clone, Debug)]
+pub struct Ledger {
+    pool: PgPool,
+}
+
+/// What [`Ledger::migrate`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationReport {
+    pub database_created: bool,
+    pub applied: Vec<i64>,
+    pub version: Option<i64>,
+}
+
+impl Ledger {
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Connects a pool to the configured database.
+    pub async fn connect(settings: &LedgerSettings) -> Result<Self, LedgerError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect_with(settings.database_url.options().clone())
+            .await?;
+        Ok(Self::new(pool))
+    }
+
+    /// Creates the database if it does not exist, then applies every
+    /// migration not yet applied. Safe to run any number of times.
+    pub async fn migrate(settings: &LedgerSettings) -> Result<(Self, MigrationReport), LedgerError> {
+        let url = settings.database_url.expose();
+        let database_created = !Postgres::database_exists(url).await?;
+        if database_created {
+            Postgres::create_database(url).await?;
+        }
+        let ledger = Self::connect(settings).await?;
+        let before = ledger.applied_versions().await?;
+        MIGRATOR.run(&ledger.pool).await?;
+        let after = ledger.applied_versions().await?;
+        let applied = after.iter().copied().filter(|v| !before.contains(v)).collect();
+        let report = MigrationReport { database_created, applied, version: after.last().copied() };
+        Ok((ledger, report))
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    async fn applied_versions(&self) -> Result<Vec<i64>, LedgerError> {
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+            .fetch_one(&self.pool)
+            .await?;
+        if !exists {
+            return Ok(Vec::new());
+        }
+        Ok(sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
+            .fetch_all(&self.pool)
+            .await?)
+    }
+}
+
+/// A key item's timestamp as PostgreSQL stores it.
+pub fn timestamp(at: Millis) -> OffsetDateTime {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(at.get()) * 1_000_000).unwrap_or(OffsetDateTime::UNIX_EPOCH)
+}

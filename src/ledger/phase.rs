@@ -1,0 +1,174 @@
+//! Phases: the only way anything is written to the ledger for a request.
+//!
+//! A phase is one transaction whose first statement moves the request row
+//! from the recovery point the phase starts at to the one it ends at, and
+//! only if the caller's fence is at least the row's (`fence <= $mine`). Zero
+//! rows means a newer owner exists or the phase already ran; the transaction
+//! is then dropped, so nothing the caller would have written survives. The
+//! row stays locked until commit, so an older owner cannot slip a write in
+//! between the check and the business writes that follow it.
+
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use super::{Ledger, LedgerError, timestamp};
+use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey};
+
+/// Identifies a request in the ledger and carries what its first write needs.
+#[derive(Clone, Debug)]
+pub struct RequestRecord {
+    pub key: ScopedKey,
+    /// The key item's `created_at`; part of the row's identity.
+    pub created_at: Millis,
+    /// Which operation this request is (payments are one kind).
+    pub operation: String,
+    pub request_hash: RequestHash,
+    pub payment_id: Uuid,
+}
+
+/// An open phase transaction whose fence has been checked. Dropping it
+/// without [`Phase::commit`] rolls everything back.
+pub struct Phase {
+    tx: Transaction<'static, Postgres>,
+    fence: Fence,
+    to: RecoveryPoint,
+}
+
+impl Phase {
+    /// The transaction, for the phase's business writes.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    pub fn fence(&self) -> Fence {
+        self.fence
+    }
+
+    /// Commits the business writes and the new recovery point together.
+    pub async fn commit(self) -> Result<RecoveryPoint, LedgerError> {
+        self.tx.commit().await?;
+        Ok(self.to)
+    }
+}
+
+fn fence_param(fence: Fence) -> i64 {
+    i64::try_from(fence.get()).unwrap_or(i64::MAX)
+}
+
+impl Ledger {
+    /// Stamps `fence` on the request (creating its row at `STARTED` if no
+    /// phase has committed yet) and returns where to resume. A new owner
+    /// calls this right after a takeover: from then on every write of the
+    /// previous owner finds a newer fence and is refused.
+    #[tracing::instrument(skip_all, fields(key = %request.key, fence = %fence))]
+    pub async fn adopt(&self, request: &RequestRecord, fence: Fence) -> Result<RecoveryPoint, LedgerError> {
+        let row = sqlx::query(
+            "INSERT INTO requests AS r
+                    (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
+                SET fence = EXCLUDED.fence, updated_at = now()
+              WHERE r.fence <= EXCLUDED.fence
+             RETURNING r.recovery_point",
+        )
+        .bind(request.key.client.as_uuid())
+        .bind(request.key.key.as_str())
+        .bind(timestamp(request.created_at))
+        .bind(&request.operation)
+        .bind(request.request_hash.as_str())
+        .bind(request.payment_id)
+        .bind(fence_param(fence))
+        .bind(RecoveryPoint::STARTED.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        match row {
+            Some(row) => Ok(RecoveryPoint::from_stored(row.try_get(0)?)),
+            None => {
+                let mut conn = self.pool.acquire().await?;
+                Err(refusal(&mut conn, request, fence, &RecoveryPoint::STARTED).await?)
+            }
+        }
+    }
+
+    /// Opens the phase that moves `request` from `from` to `to` under
+    /// `fence`. The first phase (from `STARTED`) also creates the row.
+    #[tracing::instrument(skip_all, fields(key = %request.key, fence = %fence, to = %to))]
+    pub async fn begin_phase(
+        &self,
+        request: &RequestRecord,
+        fence: Fence,
+        from: &RecoveryPoint,
+        to: &RecoveryPoint,
+    ) -> Result<Phase, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
+            sqlx::query(
+                "INSERT INTO requests AS r
+                        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                 ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
+                    SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
+                  WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $9
+                 RETURNING 1",
+            )
+            .bind(request.key.client.as_uuid())
+            .bind(request.key.key.as_str())
+            .bind(timestamp(request.created_at))
+            .bind(&request.operation)
+            .bind(request.request_hash.as_str())
+            .bind(request.payment_id)
+            .bind(fence_param(fence))
+            .bind(to.as_str())
+            .bind(from.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+        } else {
+            sqlx::query(
+                "UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
+                  WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
+                    AND fence <= $4 AND recovery_point = $6
+                 RETURNING 1",
+            )
+            .bind(request.key.client.as_uuid())
+            .bind(request.key.key.as_str())
+            .bind(timestamp(request.created_at))
+            .bind(fence_param(fence))
+            .bind(to.as_str())
+            .bind(from.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+        };
+        match moved {
+            Some(_) => Ok(Phase { tx, fence, to: to.clone() }),
+            None => Err(refusal(&mut tx, request, fence, from).await?),
+        }
+    }
+}
+
+/// Explains a zero-row fence check: a newer fence, or the wrong recovery point.
+async fn refusal(
+    conn: &mut PgConnection,
+    request: &RequestRecord,
+    fence: Fence,
+    expected: &RecoveryPoint,
+) -> Result<LedgerError, LedgerError> {
+    let row = sqlx::query(
+        "SELECT fence, recovery_point FROM requests
+          WHERE client_id = $1 AND idem_key = $2 AND created_at = $3",
+    )
+    .bind(request.key.client.as_uuid())
+    .bind(request.key.key.as_str())
+    .bind(timestamp(request.created_at))
+    .fetch_optional(conn)
+    .await?;
+    let current = row
+        .map(|row| -> Result<_, sqlx::Error> {
+            Ok((Fence::new(row.try_get::<i64, _>(0)?.unsigned_abs()), RecoveryPoint::from_stored(row.try_get(1)?)))
+        })
+        .transpose()?;
+    Ok(match current {
+        Some((current, _)) if current > fence => LedgerError::FencedOut { mine: fence, current },
+        found => LedgerError::OutOfOrder { expected: expected.clone(), found: found.map(|(_, point)| point) },
+    })
+}
