@@ -68,7 +68,6 @@ impl LedgerSettings {
 /// A PostgreSQL URL, checked when parsed; `Debug` and `Display` hide the password.
 #[derive(Clone)]
 pub struct DatabaseUrl {
-    url: String,
     options: PgConnectOptions,
 }
 
@@ -77,8 +76,14 @@ impl DatabaseUrl {
         &self.options
     }
 
-    pub fn expose(&self) -> &str {
-        &self.url
+    /// The database this URL names (PostgreSQL's default: the user's name).
+    pub fn database(&self) -> &str {
+        self.options.get_database().unwrap_or_else(|| self.options.get_username())
+    }
+
+    /// The same server and credentials, another database.
+    pub fn with_database(&self, name: &str) -> Self {
+        Self { options: self.options.clone().database(name) }
     }
 }
 
@@ -87,14 +92,14 @@ impl FromStr for DatabaseUrl {
 
     fn from_str(url: &str) -> Result<Self, Self::Err> {
         let options = url.parse::<PgConnectOptions>().map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
-        Ok(Self { url: url.to_owned(), options })
+        Ok(Self { options })
     }
 }
 
 impl fmt::Display for DatabaseUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.options;
-        write!(f, "postgres://{}@{}:{}/{}", o.get_username(), o.get_host(), o.get_port(), o.get_database().unwrap_or(""))
+        write!(f, "postgres://{}@{}:{}/{}", o.get_username(), o.get_host(), o.get_port(), self.database())
     }
 }
 

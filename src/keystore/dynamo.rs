@@ -221,6 +221,7 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence, how = ?how))]
     async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
+        let how = if fence == Fence::FIRST { how } else { Release::Reopen };
         let sent = match how {
             Release::Forget => self
                 .client

@@ -85,6 +85,7 @@ impl KeyStore for MemoryKeyStore {
     }
 
     async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
+        let how = if fence == Fence::FIRST { how } else { Release::Reopen };
         self.with_items(|items| {
             let pk = key.partition_key();
             match (items.get_mut(&pk), how) {

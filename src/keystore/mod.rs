@@ -69,6 +69,10 @@ pub struct Finish {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Release {
     /// Nothing was committed anywhere: delete the claim, as if never made.
+    /// Only the first claim (fence 1) is ever deleted; a key that was taken
+    /// over is reopened instead. A deleted key can be claimed again at fence
+    /// 1, and this rule keeps that new fence 1 from meeting a stale holder
+    /// of the old one: no takeover ever happened, so no other holder exists.
     Forget,
     /// Work was committed: keep the item but end the lease, so the next
     /// retry or the recovery worker resumes at once instead of waiting.

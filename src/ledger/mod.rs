@@ -6,9 +6,8 @@
 mod error;
 mod phase;
 
-use sqlx::migrate::{MigrateDatabase, Migrator};
+use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::Postgres;
 use time::OffsetDateTime;
 
 use crate::config::LedgerSettings;
@@ -51,11 +50,7 @@ impl Ledger {
     /// Creates the database if it does not exist, then applies every
     /// migration not yet applied. Safe to run any number of times.
     pub async fn migrate(settings: &LedgerSettings) -> Result<(Self, MigrationReport), LedgerError> {
-        let url = settings.database_url.expose();
-        let database_created = !Postgres::database_exists(url).await?;
-        if database_created {
-            Postgres::create_database(url).await?;
-        }
+        let database_created = create_database(settings).await?;
         let ledger = Self::connect(settings).await?;
         let before = ledger.applied_versions().await?;
         MIGRATOR.run(&ledger.pool).await?;
@@ -80,6 +75,37 @@ impl Ledger {
             .fetch_all(&self.pool)
             .await?)
     }
+}
+
+/// Creates the configured database unless it exists; true if it created it.
+async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError> {
+    let url = &settings.database_url;
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(url.with_database("postgres").options().clone())
+        .await?;
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(url.database())
+        .fetch_one(&admin)
+        .await?;
+    if exists {
+        return Ok(false);
+    }
+    let create = format!("CREATE DATABASE {}", quote_ident(url.database()));
+    let created = sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(&admin)
+        .await;
+    match created {
+        Ok(_) => Ok(true),
+        // Another migrate created it first.
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Quotes a PostgreSQL identifier, so any database name is taken literally.
+pub fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// A key item's timestamp as PostgreSQL stores it.

@@ -1,0 +1,114 @@
+//! The shared harness. `TestKeys::new()` makes a fresh key table and
+//! `TestLedger::new()` a fresh, migrated ledger database; both are removed
+//! when the value is dropped, whether the test passed or panicked, so tests
+//! run in parallel and leave nothing behind.
+
+use std::time::Duration;
+
+use keyfence::config::{KeyStoreSettings, LedgerSettings};
+use keyfence::domain::{ClientId, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey};
+use keyfence::keystore::{self, Claim, DynamoKeyStore, Lease};
+use keyfence::ledger::{self, Ledger};
+use uuid::Uuid;
+
+/// Where tests find the emulator when `AWS_ENDPOINT_URL` is not set: tests
+/// never fall through to real AWS.
+const LOCAL_DYNAMODB: &str = "http://127.0.0.1:4566";
+
+pub struct TestKeys {
+    pub store: DynamoKeyStore,
+    settings: KeyStoreSettings,
+}
+
+impl TestKeys {
+    pub async fn new() -> Self {
+        let mut settings = KeyStoreSettings::from_env().expect("key store settings from the environment");
+        settings.aws_endpoint_url.get_or_insert_with(|| LOCAL_DYNAMODB.to_owned());
+        settings.table = format!("keyfence-test-{}", Uuid::new_v4().simple());
+        // Hundreds of racers queue at the emulator, which serves one request at a time.
+        settings.attempt_timeout = Duration::from_secs(30);
+        let client = keystore::connect(&settings).await;
+        keystore::ensure_table(&client, &settings.table)
+            .await
+            .unwrap_or_else(|e| panic!("creating a test table (is the emulator running? scripts/test starts it): {e}"));
+        Self { store: DynamoKeyStore::new(client, settings.table.clone()), settings }
+    }
+}
+
+impl Drop for TestKeys {
+    fn drop(&mut self) {
+        let settings = self.settings.clone();
+        cleanup(async move {
+            let client = keystore::connect(&settings).await;
+            if let Err(e) = keystore::delete_table(&client, &settings.table).await {
+                eprintln!("could not delete test table {}: {e}", settings.table);
+            }
+        });
+    }
+}
+
+pub struct TestLedger {
+    pub ledger: Ledger,
+    settings: LedgerSettings,
+}
+
+impl TestLedger {
+    pub async fn new() -> Self {
+        let mut settings = LedgerSettings::from_env().expect("ledger settings from the environment");
+        let name = format!("keyfence_test_{}", Uuid::new_v4().simple());
+        settings.database_url = settings.database_url.with_database(&name);
+        let (ledger, _) = Ledger::migrate(&settings)
+            .await
+            .unwrap_or_else(|e| panic!("creating a test database (is PostgreSQL running?): {e}"));
+        Self { ledger, settings }
+    }
+}
+
+impl Drop for TestLedger {
+    fn drop(&mut self) {
+        let url = self.settings.database_url.clone();
+        // The pool's connections belong to the test's runtime, which is
+        // blocked here; FORCE ends them from the server side instead.
+        cleanup(async move {
+            let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", ledger::quote_ident(url.database()));
+            let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone()).await;
+            let dropped = match admin {
+                Ok(admin) => sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = dropped {
+                eprintln!("could not drop test database {}: {e}", url.database());
+            }
+        });
+    }
+}
+
+/// Runs async cleanup to completion from `Drop`, on a runtime of its own
+/// (the test's runtime may be shutting down or panicking).
+fn cleanup(work: impl std::future::Future<Output = ()> + Send + 'static) {
+    let done = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("cleanup runtime").block_on(work)
+    })
+    .join();
+    if done.is_err() {
+        eprintln!("test cleanup panicked");
+    }
+}
+
+/// A key no other test uses: a fresh client, a fixed key string.
+pub fn fresh_key() -> ScopedKey {
+    ScopedKey::new(ClientId::generate(), IdempotencyKey::parse("order-123").unwrap())
+}
+
+/// A claim of `key` by a fresh owner, its lease taken at `now`.
+pub fn claim_of(key: &ScopedKey, now: Millis, lease: Duration) -> Claim {
+    Claim {
+        key: key.clone(),
+        request_hash: RequestHash::from_hex("ab".repeat(32)),
+        request: br#"{"amount_minor":1250,"currency":"EUR"}"#.to_vec(),
+        payment_id: Uuid::now_v7(),
+        owner: Owner::attempt_of("test"),
+        home_region: "eu-west-1".into(),
+        lease: Lease { now, length: lease },
+    }
+}

@@ -1,0 +1,175 @@
+//! The ledger's fence check, on the real PostgreSQL: a phase under a current
+//! token commits; a phase under an older one, or a phase that already ran,
+//! is refused and leaves nothing behind.
+
+use keyfence::domain::{Fence, Millis, RecoveryPoint, RequestHash};
+use keyfence::ledger::{Ledger, LedgerError, Phase, RequestRecord};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::harness::{TestLedger, fresh_key};
+
+const H1_DONE: RecoveryPoint = RecoveryPoint::named("H1_DONE");
+const EXT1_SENT: RecoveryPoint = RecoveryPoint::named("EXT1_SENT");
+
+fn request() -> RequestRecord {
+    RequestRecord {
+        key: fresh_key(),
+        created_at: Millis::now(),
+        operation: "payment".into(),
+        request_hash: RequestHash::from_hex("cd".repeat(32)),
+        payment_id: Uuid::now_v7(),
+    }
+}
+
+/// The first phase's business writes: the payment and a balanced hold.
+async fn hold_funds(conn: &mut PgConnection, req: &RequestRecord, fence: Fence) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
+                               debtor_account, creditor_account, end_to_end_id, status, fence)
+         VALUES ($1, $2, $3, $4, 1250, 'EUR', 'DE01', 'FR02', 'E2E-1', 'pending', $5)",
+    )
+    .bind(req.payment_id)
+    .bind(req.key.client.as_uuid())
+    .bind(req.key.key.as_str())
+    .bind(keyfence::ledger::timestamp(req.created_at))
+    .bind(fence.get() as i64)
+    .execute(&mut *conn)
+    .await?;
+    post(conn, req.payment_id, "hold", &[("DE01", -1250), ("DE01:held", 1250)], fence).await
+}
+
+async fn post(conn: &mut PgConnection, payment: Uuid, entry: &str, legs: &[(&str, i64)], fence: Fence) -> Result<(), sqlx::Error> {
+    for (account, amount) in legs {
+        sqlx::query(
+            "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
+             VALUES ($1, $2, $3, $4, 'EUR', $5)",
+        )
+        .bind(payment)
+        .bind(entry)
+        .bind(account)
+        .bind(amount)
+        .bind(fence.get() as i64)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
+}
+
+async fn counts(ledger: &Ledger) -> (i64, i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM requests), (SELECT count(*) FROM payments), (SELECT count(*) FROM postings)",
+    )
+    .fetch_one(ledger.pool())
+    .await
+    .unwrap()
+}
+
+async fn state(ledger: &Ledger, req: &RequestRecord) -> (i64, String) {
+    sqlx::query_as("SELECT fence, recovery_point FROM requests WHERE client_id = $1 AND idem_key = $2")
+        .bind(req.key.client.as_uuid())
+        .bind(req.key.key.as_str())
+        .fetch_one(ledger.pool())
+        .await
+        .unwrap()
+}
+
+async fn first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Result<Phase, LedgerError> {
+    let mut phase = ledger.begin_phase(req, fence, &RecoveryPoint::STARTED, &H1_DONE).await?;
+    hold_funds(phase.conn(), req, fence).await?;
+    Ok(phase)
+}
+
+#[tokio::test]
+async fn a_phase_under_an_older_fence_is_refused_and_writes_nothing() {
+    let db = TestLedger::new().await;
+    let req = request();
+    let t = Fence::new(2);
+    first_phase(&db.ledger, &req, t).await.unwrap().commit().await.unwrap();
+    assert_eq!(state(&db.ledger, &req).await, (2, "H1_DONE".into()));
+    let before = counts(&db.ledger).await;
+    assert_eq!(before, (1, 1, 2));
+
+    let stale = Fence::new(1);
+    match db.ledger.begin_phase(&req, stale, &H1_DONE, &EXT1_SENT).await {
+        Err(LedgerError::FencedOut { mine, current }) => assert_eq!((mine, current), (stale, t)),
+        Err(other) => panic!("expected fenced out, got {other}"),
+        Ok(_) => panic!("a phase under fence t-1 was allowed to begin"),
+    }
+    assert_eq!(state(&db.ledger, &req).await, (2, "H1_DONE".into()));
+    assert_eq!(counts(&db.ledger).await, before);
+
+    // The current owner carries on.
+    let mut next = db.ledger.begin_phase(&req, t, &H1_DONE, &EXT1_SENT).await.unwrap();
+    post(next.conn(), req.payment_id, "transfer", &[("DE01:held", -1250), ("FR02", 1250)], t).await.unwrap();
+    assert_eq!(next.commit().await.unwrap(), EXT1_SENT);
+    assert_eq!(state(&db.ledger, &req).await, (2, "EXT1_SENT".into()));
+}
+
+#[tokio::test]
+async fn a_committed_phase_never_runs_twice() {
+    let db = TestLedger::new().await;
+    let req = request();
+    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    let before = counts(&db.ledger).await;
+    match first_phase(&db.ledger, &req, Fence::FIRST).await {
+        Err(LedgerError::OutOfOrder { expected, found }) => {
+            assert_eq!(expected, RecoveryPoint::STARTED);
+            assert_eq!(found, Some(H1_DONE));
+        }
+        Err(other) => panic!("expected out of order, got {other}"),
+        Ok(_) => panic!("the first phase ran twice"),
+    }
+    assert!(matches!(
+        db.ledger.begin_phase(&req, Fence::FIRST, &EXT1_SENT, &RecoveryPoint::named("EXT1_DONE")).await,
+        Err(LedgerError::OutOfOrder { .. })
+    ));
+    assert_eq!(counts(&db.ledger).await, before);
+}
+
+#[tokio::test]
+async fn adopting_fences_the_previous_owner_out_before_any_new_phase() {
+    let db = TestLedger::new().await;
+    let req = request();
+    // Nothing committed yet: adopting creates the row at STARTED.
+    assert_eq!(db.ledger.adopt(&req, Fence::new(2)).await.unwrap(), RecoveryPoint::STARTED);
+    // The old owner wakes and tries its first phase: refused.
+    assert!(matches!(first_phase(&db.ledger, &req, Fence::FIRST).await, Err(LedgerError::FencedOut { .. })));
+    assert_eq!(counts(&db.ledger).await, (1, 0, 0));
+    // An even older owner cannot adopt it back.
+    assert!(matches!(db.ledger.adopt(&req, Fence::FIRST).await, Err(LedgerError::FencedOut { .. })));
+
+    first_phase(&db.ledger, &req, Fence::new(2)).await.unwrap().commit().await.unwrap();
+    assert_eq!(db.ledger.adopt(&req, Fence::new(3)).await.unwrap(), H1_DONE, "a later owner resumes where it stopped");
+    assert_eq!(state(&db.ledger, &req).await, (3, "H1_DONE".into()));
+}
+
+#[tokio::test]
+async fn a_phase_dropped_before_commit_leaves_nothing() {
+    let db = TestLedger::new().await;
+    let req = request();
+    drop(first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap());
+    assert_eq!(counts(&db.ledger).await, (0, 0, 0));
+}
+
+#[tokio::test]
+async fn postings_must_balance_and_are_never_rewritten() {
+    let db = TestLedger::new().await;
+    let req = request();
+    let mut phase = db.ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await.unwrap();
+    hold_funds(phase.conn(), &req, Fence::FIRST).await.unwrap();
+    post(phase.conn(), req.payment_id, "fee", &[("DE01", -10)], Fence::FIRST).await.unwrap();
+    let refused = phase.commit().await;
+    assert!(
+        matches!(&refused, Err(LedgerError::Database(e)) if e.to_string().contains("do not balance")),
+        "unbalanced postings committed: {refused:?}"
+    );
+    assert_eq!(counts(&db.ledger).await, (0, 0, 0), "the whole phase rolled back");
+
+    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    let rewrite = sqlx::query("UPDATE postings SET amount_minor = 1").execute(db.ledger.pool()).await;
+    assert!(rewrite.is_err(), "postings were rewritten");
+    let erase = sqlx::query("DELETE FROM postings").execute(db.ledger.pool()).await;
+    assert!(erase.is_err(), "postings were deleted");
+    assert_eq!(counts(&db.ledger).await, (1, 1, 2));
+}

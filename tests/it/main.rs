@@ -1,0 +1,10 @@
+//! Integration tests against the real local services: the DynamoDB emulator
+//! (or LocalStack) at `AWS_ENDPOINT_URL` and PostgreSQL at `DATABASE_URL`.
+//! One binary, many modules; every test makes its own table and database.
+
+mod emulator;
+mod harness;
+mod keystore_fencing;
+mod keystore_model;
+mod keystore_races;
+mod ledger_phases;
