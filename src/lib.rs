@@ -14,7 +14,9 @@
 
 pub mod config;
 pub mod domain;
+pub mod engine;
 pub mod keystore;
 pub mod ledger;
+pub mod rail;
 pub mod startup;
 pub mod telemetry;

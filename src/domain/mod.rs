@@ -2,20 +2,26 @@
 //! trust or storage boundary. Nothing here does I/O; every untrusted string is
 //! parsed into one of these types at the edge and never handled raw again.
 
+mod api_key;
 mod client_id;
 mod fence;
 mod idempotency_key;
 mod millis;
 mod owner;
+mod payment;
 mod recovery_point;
 mod request_hash;
 mod scoped_key;
+mod stored_response;
 
+pub use api_key::ApiKey;
 pub use client_id::ClientId;
 pub use fence::Fence;
 pub use idempotency_key::{IdempotencyKey, InvalidKey};
 pub use millis::Millis;
 pub use owner::Owner;
+pub use payment::{FieldError, PaymentRequest};
 pub use recovery_point::RecoveryPoint;
 pub use request_hash::RequestHash;
 pub use scoped_key::ScopedKey;
+pub use stored_response::StoredResponse;

@@ -11,6 +11,8 @@ pub struct RecoveryPoint(Cow<'static, str>);
 impl RecoveryPoint {
     /// Claimed, nothing committed in the ledger yet.
     pub const STARTED: RecoveryPoint = RecoveryPoint::named("STARTED");
+    /// The final answer is stored; only the key store may still need it.
+    pub const FINISHED: RecoveryPoint = RecoveryPoint::named("FINISHED");
 
     pub const fn named(name: &'static str) -> Self {
         Self(Cow::Borrowed(name))

@@ -11,7 +11,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
 use super::{Claim, KeyStoreError};
-use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey};
+use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
 /// How many GSI partitions the in-flight index is spread over.
 pub const INFLIGHT_SHARDS: u64 = 16;
@@ -50,15 +50,6 @@ impl KeyState {
             KeyState::Finished => "finished",
         }
     }
-}
-
-/// A final answer exactly as it will be replayed: status, the headers worth
-/// replaying, and the body bytes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredResponse {
-    pub status: u16,
-    pub headers: BTreeMap<String, String>,
-    pub body: Vec<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -21,11 +21,11 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey};
+use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
 pub use dynamo::{DynamoKeyStore, connect};
 pub use error::KeyStoreError;
-pub use item::{KeyItem, KeyState, StoredResponse};
+pub use item::{KeyItem, KeyState};
 pub use memory::MemoryKeyStore;
 pub use table::{INFLIGHT_INDEX, TableChange, delete_table, ensure_table};
 

@@ -1,9 +1,13 @@
 //! The regional ledger on PostgreSQL: requests with their fence and recovery
 //! point, payments, double-entry postings and external-call records. The
 //! schema lives in `migrations/`; the one rule every write obeys lives in
-//! [`phase`]: a phase is a transaction that first proves its fence is current.
+//! `phase`: a phase is a transaction that first proves its fence is current.
+//! [`payments`] and [`external`] are the writes phases make.
 
+mod clients;
 mod error;
+pub mod external;
+pub mod payments;
 mod phase;
 
 use sqlx::migrate::Migrator;

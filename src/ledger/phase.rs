@@ -8,12 +8,14 @@
 //! row stays locked until commit, so an older owner cannot slip a write in
 //! between the check and the business writes that follow it.
 
+use std::collections::BTreeMap;
+
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use super::{Ledger, LedgerError, timestamp};
-use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey};
+use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
 
 /// Identifies a request in the ledger and carries what its first write needs.
 #[derive(Clone, Debug)]
@@ -45,6 +47,40 @@ impl Phase {
         self.fence
     }
 
+    /// Notes that the request reached `point` in this phase. The primary key
+    /// of `phase_runs` makes a phase that already ran fail its transaction.
+    pub async fn record_point(&mut self, request: &RequestRecord, point: &RecoveryPoint) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(request.key.client.as_uuid())
+        .bind(request.key.key.as_str())
+        .bind(timestamp(request.created_at))
+        .bind(point.as_str())
+        .bind(fence_param(self.fence))
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Stores the request's final answer, in the phase that finishes it.
+    pub async fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) -> Result<(), LedgerError> {
+        sqlx::query(
+            "UPDATE requests SET response_status = $4, response_headers = $5, response_body = $6
+              WHERE client_id = $1 AND idem_key = $2 AND created_at = $3",
+        )
+        .bind(request.key.client.as_uuid())
+        .bind(request.key.key.as_str())
+        .bind(timestamp(request.created_at))
+        .bind(i32::from(answer.status))
+        .bind(sqlx::types::Json(&answer.headers))
+        .bind(&answer.body)
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
     /// Commits the business writes and the new recovery point together.
     pub async fn commit(self) -> Result<RecoveryPoint, LedgerError> {
         self.tx.commit().await?;
@@ -52,7 +88,7 @@ impl Phase {
     }
 }
 
-fn fence_param(fence: Fence) -> i64 {
+pub(super) fn fence_param(fence: Fence) -> i64 {
     i64::try_from(fence.get()).unwrap_or(i64::MAX)
 }
 
@@ -143,6 +179,30 @@ impl Ledger {
             Some(_) => Ok(Phase { tx, fence, to: to.clone() }),
             None => Err(refusal(&mut tx, request, fence, from).await?),
         }
+    }
+}
+
+impl Ledger {
+    /// The final answer stored for a finished request.
+    pub async fn answer(&self, request: &RequestRecord) -> Result<Option<StoredResponse>, LedgerError> {
+        let row: Option<(Option<i32>, Option<sqlx::types::Json<BTreeMap<String, String>>>, Option<Vec<u8>>)> =
+            sqlx::query_as(
+                "SELECT response_status, response_headers, response_body FROM requests
+                  WHERE client_id = $1 AND idem_key = $2 AND created_at = $3",
+            )
+            .bind(request.key.client.as_uuid())
+            .bind(request.key.key.as_str())
+            .bind(timestamp(request.created_at))
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match row {
+            Some((Some(status), Some(headers), Some(body))) => Some(StoredResponse {
+                status: u16::try_from(status).unwrap_or(500),
+                headers: headers.0,
+                body,
+            }),
+            _ => None,
+        })
     }
 }
 

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use keyfence::domain::{Fence, Millis, Owner};
-use keyfence::keystore::{Finish, KeyState, KeyStore, KeyStoreError, Lease, Release, StoredResponse};
+use keyfence::domain::StoredResponse;
+use keyfence::keystore::{Finish, KeyState, KeyStore, KeyStoreError, Lease, Release};
 
 use crate::harness::{TestKeys, claim_of, fresh_key};
 

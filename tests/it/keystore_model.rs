@@ -9,10 +9,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use keyfence::domain::{Fence, Millis, Owner, RequestHash, ScopedKey};
+use keyfence::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 use keyfence::keystore::{
     Claim, DynamoKeyStore, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, MemoryKeyStore, Release,
-    StoredResponse,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};

@@ -1,0 +1,129 @@
+//! `PaymentRequest`: the body of `POST /v1/payments`, parsed and validated.
+//! Untrusted JSON becomes this type or a list of field errors; nothing in
+//! between reaches the engine.
+
+use serde::{Deserialize, Serialize};
+
+/// Every field error found, so a client can fix them all at once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PaymentRequest {
+    /// Integer minor units (cents), so no amount is ever rounded.
+    pub amount_minor: i64,
+    /// ISO 4217 alphabetic code.
+    pub currency: String,
+    pub debtor_account: String,
+    pub creditor_account: String,
+    /// ISO 20022 end-to-end reference: travels with the instruction to the
+    /// rail and is how an unknown outcome is looked up.
+    pub end_to_end_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remittance_info: Option<String>,
+}
+
+/// Largest amount accepted: 10^15 minor units, far above any real payment,
+/// far below where arithmetic on sums could overflow.
+const MAX_AMOUNT_MINOR: i64 = 1_000_000_000_000_000;
+
+impl PaymentRequest {
+    /// Parses a JSON value (already known to be well-formed JSON).
+    pub fn parse(value: serde_json::Value) -> Result<Self, Vec<FieldError>> {
+        let request: PaymentRequest = serde_json::from_value(value)
+            .map_err(|e| vec![FieldError { field: "body", message: e.to_string() }])?;
+        let errors = request.field_errors();
+        if errors.is_empty() { Ok(request) } else { Err(errors) }
+    }
+
+    fn field_errors(&self) -> Vec<FieldError> {
+        let mut errors = Vec::new();
+        let mut check = |ok: bool, field: &'static str, message: &str| {
+            if !ok {
+                errors.push(FieldError { field, message: message.to_owned() });
+            }
+        };
+        check(
+            self.amount_minor > 0 && self.amount_minor <= MAX_AMOUNT_MINOR,
+            "amount_minor",
+            "must be a whole number of minor units, greater than 0 and at most 10^15",
+        );
+        check(is_currency(&self.currency), "currency", "must be an ISO 4217 currency code such as EUR");
+        check(is_account(&self.debtor_account), "debtor_account", "must be 1-34 letters and digits (an IBAN or account number)");
+        check(is_account(&self.creditor_account), "creditor_account", "must be 1-34 letters and digits (an IBAN or account number)");
+        check(
+            is_text(&self.end_to_end_id, 1, 35),
+            "end_to_end_id",
+            "must be 1-35 characters without control characters (ISO 20022 Max35Text)",
+        );
+        if let Some(info) = &self.remittance_info {
+            check(is_text(info, 0, 140), "remittance_info", "must be at most 140 characters without control characters");
+        }
+        errors
+    }
+}
+
+fn is_account(s: &str) -> bool {
+    (1..=34).contains(&s.len()) && s.chars().all(|c| c.is_ascii_alphanumeric())
+}
+
+fn is_text(s: &str, min: usize, max: usize) -> bool {
+    (min..=max).contains(&s.chars().count()) && !s.chars().any(char::is_control)
+}
+
+fn is_currency(code: &str) -> bool {
+    code.len() == 3 && ISO_4217.split(' ').any(|c| c == code)
+}
+
+/// Active ISO 4217 alphabetic codes.
+const ISO_4217: &str = "AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BHD BIF BMD BND BOB BRL BSD \
+BTN BWP BYN BZD CAD CDF CHF CLP CNY COP CRC CUP CVE CZK DJF DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP GEL GHS GIP \
+GMD GNF GTQ GYD HKD HNL HTG HUF IDR ILS INR IQD IRR ISK JMD JOD JPY KES KGS KHR KMF KPW KRW KWD KYD KZT LAK LBP \
+LKR LRD LSL LYD MAD MDL MGA MKD MMK MNT MOP MRU MUR MVR MWK MXN MYR MZN NAD NGN NIO NOK NPR NZD OMR PAB PEN PGK \
+PHP PKR PLN PYG QAR RON RSD RUB RWF SAR SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TND \
+TOP TRY TTD TWD TZS UAH UGX USD UYU UZS VED VES VND VUV WST XAF XCD XCG XOF XPF YER ZAR ZMW ZWG";
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn valid() -> serde_json::Value {
+        json!({"amount_minor": 1250, "currency": "EUR", "debtor_account": "DE89370400440532013000",
+               "creditor_account": "FR1420041010050500013M02606", "end_to_end_id": "INV-2026-0001",
+               "remittance_info": "invoice 1"})
+    }
+
+    #[test]
+    fn accepts_a_valid_payment() {
+        let p = PaymentRequest::parse(valid()).unwrap();
+        assert_eq!((p.amount_minor, p.currency.as_str()), (1250, "EUR"));
+    }
+
+    #[test]
+    fn reports_every_bad_field() {
+        let mut v = valid();
+        v["amount_minor"] = json!(0);
+        v["currency"] = json!("EURO");
+        v["end_to_end_id"] = json!("x".repeat(36));
+        let fields: Vec<_> = PaymentRequest::parse(v).unwrap_err().into_iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["amount_minor", "currency", "end_to_end_id"]);
+    }
+
+    #[test]
+    fn rejects_wrong_types_unknown_fields_and_fractions() {
+        for (field, bad) in [("amount_minor", json!(12.5)), ("amount_minor", json!("1250")), ("surprise", json!(1))] {
+            let mut v = valid();
+            v[field] = bad;
+            assert!(PaymentRequest::parse(v).is_err(), "{field}");
+        }
+        let mut v = valid();
+        v.as_object_mut().unwrap().remove("creditor_account");
+        assert!(PaymentRequest::parse(v).is_err());
+    }
+}

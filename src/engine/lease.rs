@@ -1,0 +1,47 @@
+//! `Attempt`: one owner's hold on a request while it works it: the fence it
+//! was granted, its lease, and how far the request has got. The lease is
+//! extended lazily, once a third of it is gone, so a quick request costs no
+//! heartbeat at all; a refused heartbeat means fenced out.
+
+use std::time::Duration;
+
+use crate::domain::{Fence, Millis, RecoveryPoint};
+use crate::keystore::{KeyItem, KeyStore, Lease};
+use crate::ledger::RequestRecord;
+
+use super::EngineError;
+
+pub(super) struct Attempt {
+    pub record: RequestRecord,
+    pub fence: Fence,
+    pub lease_until: Millis,
+    /// The last recovery point committed (by anyone, as of our adoption).
+    pub at: RecoveryPoint,
+}
+
+impl Attempt {
+    pub fn new(item: &KeyItem, operation: &str, at: RecoveryPoint) -> Self {
+        Self {
+            record: RequestRecord {
+                key: item.key.clone(),
+                created_at: item.created_at,
+                operation: operation.to_owned(),
+                request_hash: item.request_hash.clone(),
+                payment_id: item.payment_id,
+            },
+            fence: item.fence,
+            lease_until: item.lease_until,
+            at,
+        }
+    }
+
+    /// Extends the lease if a third of it is gone.
+    pub async fn keep_alive<K: KeyStore>(&mut self, keys: &K, length: Duration) -> Result<(), EngineError> {
+        let now = Millis::now();
+        let left = self.lease_until.get().saturating_sub(now.get());
+        if u128::from(left) * 3 < length.as_millis() * 2 {
+            self.lease_until = keys.heartbeat(&self.record.key, self.fence, Lease { now, length }).await?;
+        }
+        Ok(())
+    }
+}

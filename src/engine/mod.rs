@@ -1,0 +1,97 @@
+//! The engine: the idempotency protocol itself. It claims a key (or branches
+//! on the item a failed claim returns), then drives an [`Operation`] through
+//! its steps: local phases, each one fenced ledger transaction, and external
+//! calls, each bracketed by an intent committed before and an outcome
+//! committed after. A request taken over from a dead owner resumes at its
+//! recovery point; nothing committed ever runs again.
+//!
+//! Data flows one way: callers (the HTTP layer, the recovery worker) call in;
+//! the engine calls the key store, the ledger and the rails.
+
+mod derived_key;
+mod error;
+mod lease;
+mod operation;
+mod payment;
+mod run;
+mod submit;
+
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::domain::StoredResponse;
+use crate::ledger::Ledger;
+use crate::rail::RailClient;
+
+pub use derived_key::derived_key;
+pub use error::EngineError;
+pub use operation::{ExternalStep, Operation, Rail, Step, StepContext};
+pub use payment::PaymentOperation;
+pub use submit::Submission;
+
+/// The external systems an operation can call.
+#[derive(Clone, Debug)]
+pub struct Rails {
+    pub screening: RailClient,
+    pub payment: RailClient,
+}
+
+impl Rails {
+    fn get(&self, rail: Rail) -> &RailClient {
+        match rail {
+            Rail::Screening => &self.screening,
+            Rail::Payment => &self.payment,
+        }
+    }
+}
+
+/// How this instance takes part in the protocol.
+#[derive(Clone, Debug)]
+pub struct EngineSettings {
+    /// The region this instance works in; requests first claimed elsewhere
+    /// are only replayed here, never worked.
+    pub region: String,
+    /// Names this instance in every lease it holds.
+    pub instance: String,
+    /// How long a lease lasts without a heartbeat.
+    pub lease: Duration,
+    /// How long a finished key is kept (its DynamoDB time-to-live).
+    pub retention: Duration,
+}
+
+/// The engine, over any key store (DynamoDB in the service).
+pub struct Engine<K> {
+    keys: K,
+    ledger: Ledger,
+    rails: Rails,
+    settings: EngineSettings,
+}
+
+/// What a submission came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The final answer, worked now or replayed from an earlier attempt.
+    Final { response: StoredResponse, replayed: bool },
+    /// Another attempt holds the key; retry after this long.
+    InFlight { retry_after: Duration },
+    /// The key was used before with another request.
+    Mismatch,
+    /// An external outcome is unknown: the request is parked, resumable,
+    /// and must not be reported as failed.
+    Pending { payment_id: Uuid },
+}
+
+impl<K> Engine<K> {
+    pub fn new(keys: K, ledger: Ledger, rails: Rails, settings: EngineSettings) -> Self {
+        Self { keys, ledger, rails, settings }
+    }
+
+    pub fn keys(&self) -> &K {
+        &self.keys
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+}

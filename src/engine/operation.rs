@@ -1,0 +1,65 @@
+//! `Operation`: what the engine drives. An operation is a fixed sequence of
+//! steps: local phases, whose business writes run inside a fenced ledger
+//! transaction, and external calls, each with a recovery point for its
+//! intent (`sent`) and its outcome (`done`). The last step is the local
+//! phase `FINISHED`, which returns the final answer. A payment is one
+//! operation; a refund or payout would be another, with no engine change.
+
+use std::future::Future;
+
+use sqlx::PgConnection;
+
+use super::EngineError;
+use crate::domain::{Fence, RecoveryPoint, StoredResponse};
+use crate::ledger::RequestRecord;
+use crate::rail::Instruction;
+
+/// Which external system a step calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rail {
+    /// E1: screening and authorisation.
+    Screening,
+    /// E2: the payment rail.
+    Payment,
+}
+
+#[derive(Debug, Clone)]
+pub struct ExternalStep {
+    /// Names the step in derived keys and call records; never change it.
+    pub name: &'static str,
+    pub rail: Rail,
+    pub sent: RecoveryPoint,
+    pub done: RecoveryPoint,
+}
+
+#[derive(Debug, Clone)]
+pub enum Step {
+    Local(RecoveryPoint),
+    External(ExternalStep),
+}
+
+/// What a local step works with: the phase's transaction and the request.
+pub struct StepContext<'a> {
+    pub conn: &'a mut PgConnection,
+    pub request: &'a RequestRecord,
+    pub fence: Fence,
+}
+
+pub trait Operation: Send + Sync {
+    /// Stored with each request, so a resumer knows what it is resuming.
+    fn name(&self) -> &'static str;
+
+    /// The steps in order, ending with `Step::Local(RecoveryPoint::FINISHED)`.
+    fn steps(&self) -> &'static [Step];
+
+    /// The business writes of local step `point`, inside its phase. The
+    /// `FINISHED` step returns the final answer; the others return `None`.
+    fn local(
+        &self,
+        point: &RecoveryPoint,
+        cx: &mut StepContext<'_>,
+    ) -> impl Future<Output = Result<Option<StoredResponse>, EngineError>> + Send;
+
+    /// What external step `step` sends.
+    fn instruction(&self, step: &ExternalStep) -> Instruction;
+}

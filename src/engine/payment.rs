@@ -1,0 +1,136 @@
+//! The payment operation. Its steps and what each commits:
+//! - `H1_DONE`: the payment row (pending) and a hold on the debtor's funds;
+//! - `EXT1_SENT` / `EXT1_DONE`: screening at E1;
+//! - `H2_DONE`: the held funds move to clearing for the rail;
+//! - `EXT2_SENT` / `EXT2_DONE`: the instruction at E2, the payment rail;
+//! - `FINISHED`: clearing settles to the creditor, the payment succeeds, a
+//!   webhook event is queued, and the 201 answer is built.
+//!
+//! Every entry posts two legs that cancel, so each payment's postings sum
+//! to zero.
+
+use std::collections::BTreeMap;
+
+use crate::domain::{PaymentRequest, RecoveryPoint, StoredResponse};
+use crate::ledger::payments::{self, Leg};
+use crate::ledger::{RequestRecord, external};
+use crate::rail::{Applied, Instruction};
+
+use super::{EngineError, ExternalStep, Operation, Rail, Step, StepContext};
+
+const H1_DONE: RecoveryPoint = RecoveryPoint::named("H1_DONE");
+const H2_DONE: RecoveryPoint = RecoveryPoint::named("H2_DONE");
+
+static STEPS: [Step; 5] = [
+    Step::Local(H1_DONE),
+    Step::External(ExternalStep {
+        name: "ext1",
+        rail: Rail::Screening,
+        sent: RecoveryPoint::named("EXT1_SENT"),
+        done: RecoveryPoint::named("EXT1_DONE"),
+    }),
+    Step::Local(H2_DONE),
+    Step::External(ExternalStep {
+        name: "ext2",
+        rail: Rail::Payment,
+        sent: RecoveryPoint::named("EXT2_SENT"),
+        done: RecoveryPoint::named("EXT2_DONE"),
+    }),
+    Step::Local(RecoveryPoint::FINISHED),
+];
+
+/// The account the payment rail settles through.
+const CLEARING: &str = "clearing:rail";
+
+pub struct PaymentOperation {
+    payment: PaymentRequest,
+}
+
+impl PaymentOperation {
+    pub const NAME: &'static str = "payment";
+
+    pub fn new(payment: PaymentRequest) -> Self {
+        Self { payment }
+    }
+
+    /// Moves the amount from one account to another as one balanced entry.
+    async fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) -> Result<(), EngineError> {
+        let amount = self.payment.amount_minor;
+        let legs = [Leg { account: from, amount_minor: -amount }, Leg { account: to, amount_minor: amount }];
+        payments::post(cx.conn, cx.request.payment_id, entry, &self.payment.currency, &legs, cx.fence).await?;
+        Ok(())
+    }
+
+    fn hold_account(&self) -> String {
+        format!("hold:{}", self.payment.debtor_account)
+    }
+
+    async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
+        let rail = rail_result(cx.conn, cx.request, "ext2").await?;
+        self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account)).await?;
+        payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
+        let payment = payments::payment(cx.conn, cx.request.payment_id)
+            .await?
+            .ok_or_else(|| EngineError::Fault("the payment row vanished".into()))?;
+        let body = serde_json::to_vec(&payment).map_err(|e| EngineError::Fault(e.to_string()))?;
+        let event = serde_json::json!({ "type": "payment.succeeded", "payment": payment });
+        payments::enqueue_event(cx.conn, payment.id, "payment.succeeded", &event).await?;
+        Ok(StoredResponse {
+            status: 201,
+            headers: BTreeMap::from([
+                ("content-type".to_owned(), "application/json".to_owned()),
+                ("location".to_owned(), format!("/v1/payments/{}", payment.id)),
+            ]),
+            body,
+        })
+    }
+}
+
+/// The recorded answer of an external step, committed in this transaction.
+async fn rail_result(
+    conn: &mut sqlx::PgConnection,
+    request: &RequestRecord,
+    step: &str,
+) -> Result<Applied, EngineError> {
+    let result = external::outcome_of(conn, request, step)
+        .await?
+        .ok_or_else(|| EngineError::Fault(format!("no recorded outcome for {step}")))?;
+    serde_json::from_value(result).map_err(|e| EngineError::Fault(format!("recorded outcome of {step}: {e}")))
+}
+
+impl Operation for PaymentOperation {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn steps(&self) -> &'static [Step] {
+        &STEPS
+    }
+
+    async fn local(&self, point: &RecoveryPoint, cx: &mut StepContext<'_>) -> Result<Option<StoredResponse>, EngineError> {
+        if *point == H1_DONE {
+            payments::insert_payment(cx.conn, cx.request, &self.payment, cx.fence).await?;
+            let debtor = format!("debtor:{}", self.payment.debtor_account);
+            self.transfer(cx, "hold", &debtor, &self.hold_account()).await?;
+            Ok(None)
+        } else if *point == H2_DONE {
+            rail_result(cx.conn, cx.request, "ext1").await?;
+            self.transfer(cx, "clear", &self.hold_account(), CLEARING).await?;
+            Ok(None)
+        } else if *point == RecoveryPoint::FINISHED {
+            self.finish(cx).await.map(Some)
+        } else {
+            Err(EngineError::Fault(format!("the payment has no local step {point}")))
+        }
+    }
+
+    fn instruction(&self, _step: &ExternalStep) -> Instruction {
+        Instruction {
+            end_to_end_id: self.payment.end_to_end_id.clone(),
+            amount_minor: self.payment.amount_minor,
+            currency: self.payment.currency.clone(),
+            debtor_account: self.payment.debtor_account.clone(),
+            creditor_account: self.payment.creditor_account.clone(),
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The front of the protocol: claim the key, or branch on the item a lost
+//! claim returned (in the same round trip), in the order that keeps every
+//! answer honest: another request under the same key is refused; a finished
+//! one is replayed byte for byte; a live one answers "in flight"; a stale
+//! one is taken over (fence + 1) and resumed where it stopped.
+
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::domain::{Millis, Owner, RequestHash, ScopedKey};
+use crate::keystore::{Claim, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
+
+use super::lease::Attempt;
+use super::{Answer, Engine, EngineError, Operation};
+use crate::domain::RecoveryPoint;
+
+/// A request as the engine receives it.
+pub struct Submission<O> {
+    pub key: ScopedKey,
+    pub request_hash: RequestHash,
+    /// The canonical request, kept with the claim for later repair.
+    pub canonical: Vec<u8>,
+    pub operation: O,
+}
+
+impl<K: KeyStore> Engine<K> {
+    /// Works a request exactly once, however often it is submitted.
+    #[tracing::instrument(skip_all, fields(key = %submission.key))]
+    pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
+        let now = Millis::now();
+        let claim = Claim {
+            key: submission.key.clone(),
+            request_hash: submission.request_hash.clone(),
+            request: submission.canonical,
+            payment_id: Uuid::now_v7(),
+            owner: Owner::attempt_of(&self.settings.instance),
+            home_region: self.settings.region.clone(),
+            lease: Lease { now, length: self.settings.lease },
+        };
+        match self.keys.claim(&claim).await {
+            Ok(item) => {
+                let mut attempt = Attempt::new(&item, submission.operation.name(), RecoveryPoint::STARTED);
+                self.drive(&submission.operation, &mut attempt).await
+            }
+            Err(KeyStoreError::Taken(Some(existing))) => {
+                self.on_existing(&submission.operation, &existing, &submission.request_hash, now).await
+            }
+            Err(KeyStoreError::Taken(None)) => Ok(Answer::InFlight { retry_after: Duration::from_secs(1) }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn on_existing<O: Operation>(
+        &self,
+        op: &O,
+        existing: &KeyItem,
+        request_hash: &RequestHash,
+        now: Millis,
+    ) -> Result<Answer, EngineError> {
+        if existing.request_hash != *request_hash {
+            return Ok(Answer::Mismatch);
+        }
+        if existing.state == KeyState::Finished {
+            let response = existing
+                .response
+                .clone()
+                .ok_or_else(|| EngineError::Fault(format!("{} is finished without an answer", existing.key)))?;
+            return Ok(Answer::Final { response, replayed: true });
+        }
+        let in_flight = Answer::InFlight { retry_after: retry_after(existing, now) };
+        if existing.home_region != self.settings.region || existing.lease_until >= now {
+            return Ok(in_flight);
+        }
+        let owner = Owner::attempt_of(&self.settings.instance);
+        let lease = Lease { now, length: self.settings.lease };
+        let item = match self.keys.take_over(&existing.key, existing.fence, &owner, lease).await {
+            Ok(item) => item,
+            Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
+            Err(e) => return Err(e.into()),
+        };
+        tracing::info!(key = %item.key, fence = %item.fence, "took over a stale request");
+        let mut attempt = Attempt::new(&item, op.name(), RecoveryPoint::STARTED);
+        attempt.at = self.ledger.adopt(&attempt.record, item.fence).await?;
+        self.drive(op, &mut attempt).await
+    }
+}
+
+/// Whole seconds until the holder's lease ends, at least one.
+fn retry_after(item: &KeyItem, now: Millis) -> Duration {
+    let left_ms = item.lease_until.get().saturating_sub(now.get());
+    Duration::from_secs(left_ms.div_ceil(1000).max(1))
+}

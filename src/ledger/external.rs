@@ -1,0 +1,95 @@
+//! External-call records: the intent committed before a call (with the
+//! derived key the external system deduplicates on), the outcome after it,
+//! and attempts whose outcome stayed unknown.
+
+use sqlx::PgConnection;
+
+use super::phase::{RequestRecord, fence_param};
+use super::{LedgerError, timestamp};
+use crate::domain::Fence;
+
+/// Records that `step` is about to be sent under `derived_key`.
+pub async fn record_intent(
+    conn: &mut PgConnection,
+    request: &RequestRecord,
+    step: &str,
+    derived_key: uuid::Uuid,
+    fence: Fence,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "INSERT INTO external_calls (client_id, idem_key, request_created_at, step, derived_key, fence, outcome)
+         VALUES ($1, $2, $3, $4, $5, $6, 'sent')",
+    )
+    .bind(request.key.client.as_uuid())
+    .bind(request.key.key.as_str())
+    .bind(timestamp(request.created_at))
+    .bind(step)
+    .bind(derived_key)
+    .bind(fence_param(fence))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Records what the external system answered for `step`.
+pub async fn record_outcome(
+    conn: &mut PgConnection,
+    request: &RequestRecord,
+    step: &str,
+    result: &serde_json::Value,
+    fence: Fence,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "UPDATE external_calls SET outcome = 'done', result = $5, fence = $6, done_at = now()
+          WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
+    )
+    .bind(request.key.client.as_uuid())
+    .bind(request.key.key.as_str())
+    .bind(timestamp(request.created_at))
+    .bind(step)
+    .bind(result)
+    .bind(fence_param(fence))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Counts one more attempt at `step` whose outcome is still unknown.
+pub async fn record_unknown_attempt(
+    conn: &mut PgConnection,
+    request: &RequestRecord,
+    step: &str,
+    fence: Fence,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "UPDATE external_calls SET outcome = 'unknown', attempts = attempts + 1, fence = $5, last_attempt_at = now()
+          WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
+    )
+    .bind(request.key.client.as_uuid())
+    .bind(request.key.key.as_str())
+    .bind(timestamp(request.created_at))
+    .bind(step)
+    .bind(fence_param(fence))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The recorded result of `step`, once its outcome is known.
+pub async fn outcome_of(
+    conn: &mut PgConnection,
+    request: &RequestRecord,
+    step: &str,
+) -> Result<Option<serde_json::Value>, LedgerError> {
+    let result: Option<Option<serde_json::Value>> = sqlx::query_scalar(
+        "SELECT result FROM external_calls
+          WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4 AND outcome = 'done'",
+    )
+    .bind(request.key.client.as_uuid())
+    .bind(request.key.key.as_str())
+    .bind(timestamp(request.created_at))
+    .bind(step)
+    .fetch_optional(conn)
+    .await?;
+    Ok(result.flatten())
+}

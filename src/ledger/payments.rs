@@ -1,0 +1,157 @@
+//! Payments and their double-entry postings. Writes take the phase's
+//! connection (they happen inside a fenced phase); reads are scoped to the
+//! client that asks, so one client can never see another's payment.
+
+use serde::Serialize;
+use sqlx::{FromRow, PgConnection};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::phase::{RequestRecord, fence_param};
+use super::{Ledger, LedgerError, timestamp};
+use crate::domain::{ClientId, Fence, PaymentRequest};
+
+/// A payment as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, FromRow)]
+pub struct Payment {
+    pub id: Uuid,
+    pub status: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub debtor_account: String,
+    pub creditor_account: String,
+    pub end_to_end_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remittance_info: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rail_reference: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+const COLUMNS: &str = "id, status, amount_minor, currency, debtor_account, creditor_account, end_to_end_id, \
+                       remittance_info, rail_reference, created_at";
+
+/// One leg of a posting: an account and a signed amount.
+pub struct Leg<'a> {
+    pub account: &'a str,
+    pub amount_minor: i64,
+}
+
+/// Creates the payment row for a request (status `pending`).
+pub async fn insert_payment(
+    conn: &mut PgConnection,
+    request: &RequestRecord,
+    payment: &PaymentRequest,
+    fence: Fence,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
+                               debtor_account, creditor_account, end_to_end_id, remittance_info, status, fence)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', $11)",
+    )
+    .bind(request.payment_id)
+    .bind(request.key.client.as_uuid())
+    .bind(request.key.key.as_str())
+    .bind(timestamp(request.created_at))
+    .bind(payment.amount_minor)
+    .bind(&payment.currency)
+    .bind(&payment.debtor_account)
+    .bind(&payment.creditor_account)
+    .bind(&payment.end_to_end_id)
+    .bind(&payment.remittance_info)
+    .bind(fence_param(fence))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Posts one balanced entry (the legs must sum to zero; the database
+/// refuses the commit otherwise).
+pub async fn post(
+    conn: &mut PgConnection,
+    payment_id: Uuid,
+    entry: &str,
+    currency: &str,
+    legs: &[Leg<'_>],
+    fence: Fence,
+) -> Result<(), LedgerError> {
+    for leg in legs {
+        sqlx::query(
+            "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(payment_id)
+        .bind(entry)
+        .bind(leg.account)
+        .bind(leg.amount_minor)
+        .bind(currency)
+        .bind(fence_param(fence))
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Moves a payment to `status`, keeping the rail's reference once known.
+pub async fn set_status(
+    conn: &mut PgConnection,
+    payment_id: Uuid,
+    status: &str,
+    rail_reference: Option<&str>,
+    fence: Fence,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "UPDATE payments SET status = $2, rail_reference = coalesce($3, rail_reference), fence = $4, updated_at = now()
+          WHERE id = $1",
+    )
+    .bind(payment_id)
+    .bind(status)
+    .bind(rail_reference)
+    .bind(fence_param(fence))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A payment read inside a phase (for building the final answer).
+pub async fn payment(conn: &mut PgConnection, id: Uuid) -> Result<Option<Payment>, LedgerError> {
+    let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1");
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(query)).bind(id).fetch_optional(conn).await?)
+}
+
+impl Ledger {
+    /// The client's payment with this id; `None` for another client's.
+    pub async fn payment_of(&self, client: ClientId, id: Uuid) -> Result<Option<Payment>, LedgerError> {
+        let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1 AND client_id = $2");
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(query)).bind(id).bind(client.as_uuid()).fetch_optional(&self.pool).await?)
+    }
+
+    /// The client's payments carrying this end-to-end reference, oldest first.
+    pub async fn payments_by_reference(&self, client: ClientId, end_to_end_id: &str) -> Result<Vec<Payment>, LedgerError> {
+        let query = format!(
+            "SELECT {COLUMNS} FROM payments WHERE client_id = $1 AND end_to_end_id = $2 ORDER BY created_at, id LIMIT 100"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(query))
+            .bind(client.as_uuid())
+            .bind(end_to_end_id)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+}
+
+/// Queues a webhook event for the payment, in the phase that causes it.
+pub async fn enqueue_event(
+    conn: &mut PgConnection,
+    payment_id: Uuid,
+    event: &str,
+    payload: &serde_json::Value,
+) -> Result<(), LedgerError> {
+    sqlx::query("INSERT INTO outbox (payment_id, event, payload) VALUES ($1, $2, $3)")
+        .bind(payment_id)
+        .bind(event)
+        .bind(payload)
+        .execute(conn)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,112 @@
+//! `RailClient`: calls one external system with a derived idempotency key
+//! and classifies what came back. The distinction that matters is between
+//! "not applied" (safe to report as transient) and "unknown" (the
+//! instruction may have been applied: never reported as failed).
+
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use reqwest::StatusCode;
+
+use super::{Applied, Instruction};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// Applied now or earlier (a repeat answers the first result).
+    Applied(Applied),
+    /// Definitely not applied (a 429/503, or no connection), retry later.
+    NotApplied(String),
+    /// No answer in time, or a broken one: it may or may not have applied.
+    Unknown(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    Found(Applied),
+    NotFound,
+    Unknown(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct RailClient {
+    http: reqwest::Client,
+    base: String,
+    /// Inline retries of a definite "not applied"; each resends the same
+    /// key, so a retry can never be a second instruction.
+    retries: usize,
+}
+
+impl RailClient {
+    pub fn new(base: &str, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout)
+            .build()
+            .expect("an HTTP client with default TLS settings");
+        Self { http, base: base.trim_end_matches('/').to_owned(), retries: 2 }
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// Sends `instruction` under `key`, retrying a definite refusal a few
+    /// times with backoff; an unknown outcome is returned at once.
+    #[tracing::instrument(skip(self, instruction), fields(rail = %self.base))]
+    pub async fn send(&self, key: &str, instruction: &Instruction) -> CallOutcome {
+        let attempt = || async {
+            match self.send_once(key, instruction).await {
+                CallOutcome::NotApplied(why) => Err(why),
+                settled => Ok(settled),
+            }
+        };
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(50))
+            .with_max_times(self.retries);
+        attempt.retry(backoff).await.unwrap_or_else(CallOutcome::NotApplied)
+    }
+
+    async fn send_once(&self, key: &str, instruction: &Instruction) -> CallOutcome {
+        let sent = self
+            .http
+            .post(format!("{}/v1/instructions", self.base))
+            .header("Idempotency-Key", key)
+            .json(instruction)
+            .send()
+            .await;
+        let response = match sent {
+            Ok(r) => r,
+            // Refused before anything was sent: not applied.
+            Err(e) if e.is_connect() => return CallOutcome::NotApplied(e.to_string()),
+            Err(e) => return CallOutcome::Unknown(e.to_string()),
+        };
+        match response.status() {
+            StatusCode::OK | StatusCode::CREATED => match response.json::<Applied>().await {
+                Ok(applied) => CallOutcome::Applied(applied),
+                Err(e) => CallOutcome::Unknown(format!("unreadable answer: {e}")),
+            },
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
+                CallOutcome::NotApplied(format!("{} answered {}", self.base, response.status()))
+            }
+            // Anything else is not a promise either way.
+            other => CallOutcome::Unknown(format!("{} answered {other}", self.base)),
+        }
+    }
+
+    /// Asks what became of the instruction sent under `key`.
+    #[tracing::instrument(skip(self), fields(rail = %self.base))]
+    pub async fn probe(&self, key: &str) -> ProbeOutcome {
+        let response = match self.http.get(format!("{}/v1/instructions/{key}", self.base)).send().await {
+            Ok(r) => r,
+            Err(e) => return ProbeOutcome::Unknown(e.to_string()),
+        };
+        match response.status() {
+            StatusCode::OK => match response.json::<Applied>().await {
+                Ok(applied) => ProbeOutcome::Found(applied),
+                Err(e) => ProbeOutcome::Unknown(format!("unreadable answer: {e}")),
+            },
+            StatusCode::NOT_FOUND => ProbeOutcome::NotFound,
+            other => ProbeOutcome::Unknown(format!("{} answered {other}", self.base)),
+        }
+    }
+}
