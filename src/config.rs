@@ -144,3 +144,45 @@ mod tests {
         assert!(parse_table_name("bad name").is_err());
     }
 }
+
+/// Everything `keyfence serve` needs.
+#[derive(Args, Clone, Debug)]
+pub struct ServeSettings {
+    #[command(flatten)]
+    pub keys: KeyStoreSettings,
+    #[command(flatten)]
+    pub ledger: LedgerSettings,
+    /// Address to listen on.
+    #[arg(long, env = "KEYFENCE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// The region this instance serves; requests first claimed elsewhere are replayed, not worked.
+    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
+    pub region: String,
+    /// Names this instance in the leases it holds.
+    #[arg(long, env = "KEYFENCE_INSTANCE", default_value_t = default_instance())]
+    pub instance: String,
+    /// Base URL of E1, the screening system.
+    #[arg(long = "e1-url", env = "KEYFENCE_E1_URL", default_value = "http://127.0.0.1:9001")]
+    pub e1_url: String,
+    /// Base URL of E2, the payment rail.
+    #[arg(long = "e2-url", env = "KEYFENCE_E2_URL", default_value = "http://127.0.0.1:9002")]
+    pub e2_url: String,
+    /// Lease length in milliseconds: how long a silent owner keeps a request.
+    #[arg(long = "lease-ms", env = "KEYFENCE_LEASE_MS", default_value = "10000", value_parser = parse_millis)]
+    pub lease: Duration,
+    /// Time limit of one call to an external system, in milliseconds.
+    #[arg(long = "rail-timeout-ms", env = "KEYFENCE_RAIL_TIMEOUT_MS", default_value = "2000", value_parser = parse_millis)]
+    pub rail_timeout: Duration,
+    /// Largest request body accepted, in bytes.
+    #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
+    pub body_limit: usize,
+    /// How long finished keys are kept (and replayed), in hours.
+    #[arg(long = "retention-hours", env = "KEYFENCE_RETENTION_HOURS", default_value_t = 72,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub retention_hours: u64,
+}
+
+fn default_instance() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "keyfence".to_owned());
+    format!("{host}-{}", std::process::id())
+}

@@ -15,6 +15,7 @@
 pub mod config;
 pub mod domain;
 pub mod engine;
+pub mod http;
 pub mod keystore;
 pub mod ledger;
 pub mod rail;

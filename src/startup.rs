@@ -1,10 +1,22 @@
-//! Bringing the stores up: `migrate` creates the key table and applies the
-//! ledger's migrations. Every subcommand that needs the stores calls into
-//! here, so the binary and the tests build them the same way.
+//! Bringing the service up. `migrate` prepares both stores; `Application`
+//! builds the whole front door from settings (stores, rails, engine,
+//! router, bound listener). `main` and the test harness both use these, so
+//! tests run the same service that ships.
 
-use crate::config::{KeyStoreSettings, LedgerSettings};
-use crate::keystore::{self, KeyStoreError, TableChange};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use tokio::net::TcpListener;
+
+use crate::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
+use crate::engine::{Engine, EngineSettings, Rails};
+use crate::http::{AppState, router};
+use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
+use crate::rail::RailClient;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
@@ -12,6 +24,8 @@ pub enum StartupError {
     KeyStore(#[from] KeyStoreError),
     #[error("ledger: {0}")]
     Ledger(#[from] LedgerError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
 }
 
 /// What `keyfence migrate` did to each store.
@@ -28,4 +42,66 @@ pub async fn migrate(keys: &KeyStoreSettings, ledger: &LedgerSettings) -> Result
     let table = keystore::ensure_table(&client, &keys.table).await?;
     let (_, ledger) = Ledger::migrate(ledger).await?;
     Ok(Migrated { table, ledger })
+}
+
+/// The front door, built and bound, not yet serving.
+pub struct Application {
+    listener: TcpListener,
+    router: Router,
+}
+
+impl Application {
+    pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
+        let keys = DynamoKeyStore::new(keystore::connect(&settings.keys).await, settings.keys.table.clone());
+        let ledger = Ledger::connect(&settings.ledger).await?;
+        let rails = Rails {
+            screening: RailClient::new(&settings.e1_url, settings.rail_timeout),
+            payment: RailClient::new(&settings.e2_url, settings.rail_timeout),
+        };
+        let engine = Engine::new(
+            keys,
+            ledger,
+            rails,
+            EngineSettings {
+                region: settings.region.clone(),
+                instance: settings.instance.clone(),
+                lease: settings.lease,
+                retention: Duration::from_secs(settings.retention_hours * 3600),
+            },
+        );
+        let state = AppState { engine: Arc::new(engine) };
+        let listener = TcpListener::bind(settings.listen)
+            .await
+            .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
+        Ok(Self { listener, router: router(state, settings.body_limit) })
+    }
+
+    /// Where it listens (useful when bound to port 0).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves until `shutdown` resolves, then finishes in-flight requests.
+    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+        axum::serve(self.listener, self.router).with_graceful_shutdown(shutdown).await
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { () = ctrl_c => {}, () = term => {} }
 }

@@ -165,3 +165,12 @@ async fn reset_faults(State(sim): State<Arc<Simulator>>) -> StatusCode {
 async fn show_faults(State(sim): State<Arc<Simulator>>) -> Json<Faults> {
     Json(sim.faults())
 }
+
+/// Serves a simulator named `name` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    name: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(Simulator::new(name))).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,37 @@
+//! `/v1/idempotency-keys/{key}`: what became of one of the caller's keys.
+//! Keys are looked up inside the caller's namespace only, so another
+//! client's key is indistinguishable from one never used (404).
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use super::extract::Caller;
+use super::{ApiError, AppState};
+use crate::domain::{IdempotencyKey, ScopedKey};
+use crate::engine::EngineError;
+use crate::keystore::KeyStore;
+
+pub async fn show(State(state): State<AppState>, Caller(client): Caller, Path(key): Path<String>) -> Result<Response, ApiError> {
+    let key = IdempotencyKey::parse(&key).map_err(ApiError::InvalidKey)?;
+    let item = state
+        .engine
+        .keys()
+        .get(&ScopedKey::new(client, key))
+        .await
+        .map_err(EngineError::from)?
+        .ok_or(ApiError::NotFound)?;
+    let created_at = OffsetDateTime::from_unix_timestamp_nanos(i128::from(item.created_at.get()) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&Rfc3339).ok());
+    Ok(Json(json!({
+        "key": item.key.key.as_str(),
+        "state": item.state.as_str(),
+        "created_at": created_at,
+        "payment_id": item.payment_id,
+    }))
+    .into_response())
+}

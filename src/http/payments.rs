@@ -1,0 +1,93 @@
+//! `/v1/payments`: create a payment (the idempotent POST) and read the
+//! caller's payments. Reads are scoped to the caller: another client's
+//! payment is simply not found.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::extract::{Caller, idempotency_key, require_json};
+use super::{ApiError, AppState};
+use crate::domain::{PaymentRequest, RequestHash, ScopedKey};
+use crate::engine::{Answer, PaymentOperation, Submission};
+
+const PATH: &str = "/v1/payments";
+
+pub async fn create(
+    State(state): State<AppState>,
+    Caller(client): Caller,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let key = idempotency_key(&headers)?;
+    require_json(&headers)?;
+    let body = body.map_err(|rejection| match rejection.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge,
+        _ => ApiError::MalformedJson(rejection.body_text()),
+    })?;
+    let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let canonical = serde_jcs::to_vec(&value).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let request_hash = RequestHash::of("POST", PATH, &canonical);
+    let payment = PaymentRequest::parse(value).map_err(ApiError::InvalidFields)?;
+    let submission = Submission {
+        key: ScopedKey::new(client, key),
+        request_hash,
+        canonical,
+        operation: PaymentOperation::new(payment),
+    };
+    respond(state.engine.submit(submission).await?)
+}
+
+/// Turns the engine's answer into HTTP: a final answer exactly as stored.
+fn respond(answer: Answer) -> Result<Response, ApiError> {
+    match answer {
+        Answer::Final { response, replayed } => {
+            let status = StatusCode::from_u16(response.status).map_err(|e| ApiError::Internal(e.to_string()))?;
+            let mut reply = (status, response.body).into_response();
+            for (name, value) in &response.headers {
+                let name = HeaderName::try_from(name.as_str()).map_err(|e| ApiError::Internal(e.to_string()))?;
+                let value = HeaderValue::try_from(value.as_str()).map_err(|e| ApiError::Internal(e.to_string()))?;
+                reply.headers_mut().insert(name, value);
+            }
+            if replayed {
+                reply.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            Ok(reply)
+        }
+        Answer::Pending { payment_id } => {
+            let body = json!({ "id": payment_id, "status": "pending" });
+            let location = format!("{PATH}/{payment_id}");
+            Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(body)).into_response())
+        }
+        Answer::InFlight { retry_after } => Err(ApiError::InFlight { retry_after }),
+        Answer::Mismatch => Err(ApiError::KeyReused),
+    }
+}
+
+pub async fn show(State(state): State<AppState>, Caller(client): Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound)?;
+    let payment = state.engine.ledger().payment_of(client, id).await.map_err(crate::engine::EngineError::from)?;
+    payment.map(|p| Json(p).into_response()).ok_or(ApiError::NotFound)
+}
+
+#[derive(Deserialize)]
+pub struct ByReference {
+    end_to_end_id: Option<String>,
+}
+
+pub async fn by_reference(
+    State(state): State<AppState>,
+    Caller(client): Caller,
+    Query(query): Query<ByReference>,
+) -> Result<Response, ApiError> {
+    let reference = query.end_to_end_id.ok_or(ApiError::MissingQuery("end_to_end_id"))?;
+    let payments =
+        state.engine.ledger().payments_by_reference(client, &reference).await.map_err(crate::engine::EngineError::from)?;
+    Ok(Json(json!({ "data": payments })).into_response())
+}

@@ -1,0 +1,151 @@
+//! `ApiError`: every answer that is not a success, as RFC 9457
+//! `application/problem+json`. One exhaustive match maps each to its status;
+//! internal details are logged once here and never sent to the client.
+
+use std::time::Duration;
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::domain::{FieldError, InvalidKey};
+use crate::engine::EngineError;
+
+#[derive(Debug)]
+pub enum ApiError {
+    MissingKey,
+    InvalidKey(InvalidKey),
+    WrongContentType,
+    MalformedJson(String),
+    InvalidFields(Vec<FieldError>),
+    MissingQuery(&'static str),
+    TooLarge,
+    Unauthenticated,
+    NotFound,
+    InFlight { retry_after: Duration },
+    KeyReused,
+    Unavailable { retry_after: Duration },
+    Internal(String),
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            // Another attempt owns the request now; the client's retry will
+            // find it in flight or finished.
+            EngineError::FencedOut => ApiError::InFlight { retry_after: Duration::from_secs(1) },
+            EngineError::Transient(_) => ApiError::Unavailable { retry_after: Duration::from_secs(1) },
+            EngineError::Fault(why) => ApiError::Internal(why),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, slug, title, detail, extra) = match &self {
+            ApiError::MissingKey => (
+                StatusCode::BAD_REQUEST,
+                "missing-idempotency-key",
+                "Idempotency-Key header required",
+                "Send a unique Idempotency-Key (a UUID is best) with every POST, and the same one on every retry.".to_owned(),
+                None,
+            ),
+            ApiError::InvalidKey(why) => {
+                (StatusCode::BAD_REQUEST, "invalid-idempotency-key", "Invalid Idempotency-Key", why.to_string(), None)
+            }
+            ApiError::WrongContentType => (
+                StatusCode::BAD_REQUEST,
+                "wrong-content-type",
+                "Wrong content type",
+                "The body must be JSON, sent with Content-Type: application/json.".to_owned(),
+                None,
+            ),
+            ApiError::MalformedJson(why) => {
+                (StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON", why.clone(), None)
+            }
+            ApiError::InvalidFields(errors) => (
+                StatusCode::BAD_REQUEST,
+                "invalid-fields",
+                "Invalid payment",
+                "One or more fields are invalid; see errors.".to_owned(),
+                Some(json!({ "errors": errors })),
+            ),
+            ApiError::MissingQuery(name) => (
+                StatusCode::BAD_REQUEST,
+                "missing-query-parameter",
+                "Missing query parameter",
+                format!("The query parameter {name} is required."),
+                None,
+            ),
+            ApiError::TooLarge => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "Request body too large",
+                "The body exceeds the configured size limit.".to_owned(),
+                None,
+            ),
+            ApiError::Unauthenticated => (
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "Missing or unknown credentials",
+                "Send Authorization: Bearer <api key>.".to_owned(),
+                None,
+            ),
+            ApiError::NotFound => {
+                (StatusCode::NOT_FOUND, "not-found", "Not found", "No such resource for this client.".to_owned(), None)
+            }
+            ApiError::InFlight { .. } => (
+                StatusCode::CONFLICT,
+                "request-in-flight",
+                "Request in flight",
+                "An earlier attempt with this Idempotency-Key is still being worked; retry after Retry-After seconds."
+                    .to_owned(),
+                None,
+            ),
+            ApiError::KeyReused => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-reused",
+                "Idempotency-Key reused",
+                "This Idempotency-Key was already used with a different request; use a new key for a new payment."
+                    .to_owned(),
+                None,
+            ),
+            ApiError::Unavailable { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "temporarily-unavailable",
+                "Temporarily unavailable",
+                "Nothing was settled; retry with the same Idempotency-Key.".to_owned(),
+                None,
+            ),
+            ApiError::Internal(why) => {
+                tracing::error!(error = %why, "internal error");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "Internal error",
+                    "Retry with the same Idempotency-Key; the request will not be applied twice.".to_owned(),
+                    None,
+                )
+            }
+        };
+        let mut body = json!({
+            "type": format!("urn:keyfence:problem:{slug}"),
+            "title": title,
+            "status": status.as_u16(),
+            "detail": detail,
+        });
+        if let (Some(extra), Some(map)) = (extra, body.as_object_mut()) {
+            map.extend(extra.as_object().cloned().unwrap_or_default());
+        }
+        let mut response = (status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let ApiError::InFlight { retry_after } | ApiError::Unavailable { retry_after } = self {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
+        }
+        if matches!(self, ApiError::Unauthenticated) {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
