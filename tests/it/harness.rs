@@ -17,7 +17,7 @@ const LOCAL_DYNAMODB: &str = "http://127.0.0.1:4566";
 
 pub struct TestKeys {
     pub store: DynamoKeyStore,
-    settings: KeyStoreSettings,
+    pub settings: KeyStoreSettings,
 }
 
 impl TestKeys {
@@ -49,7 +49,7 @@ impl Drop for TestKeys {
 
 pub struct TestLedger {
     pub ledger: Ledger,
-    settings: LedgerSettings,
+    pub settings: LedgerSettings,
 }
 
 impl TestLedger {

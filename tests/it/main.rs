@@ -2,7 +2,10 @@
 //! (or LocalStack) at `AWS_ENDPOINT_URL` and PostgreSQL at `DATABASE_URL`.
 //! One binary, many modules; every test makes its own table and database.
 
+mod app;
 mod emulator;
+mod front_door;
+mod front_door_faults;
 mod harness;
 mod keystore_fencing;
 mod keystore_model;

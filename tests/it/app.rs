@@ -1,0 +1,171 @@
+//! `spawn_app()`: the whole front door for one test: its own key table and
+//! ledger database, two rail simulators (E1, E2) on real sockets, the
+//! service itself on a random port, and a client with an API key.
+
+use std::time::Duration;
+
+use keyfence::config::ServeSettings;
+use keyfence::domain::{ApiKey, ClientId};
+use keyfence::rail::Applied;
+use keyfence::startup::Application;
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+use crate::harness::{TestKeys, TestLedger};
+
+/// A rail simulator on a random local port.
+pub struct TestRail {
+    pub url: String,
+    _stop: oneshot::Sender<()>,
+}
+
+impl TestRail {
+    pub async fn start(name: &str) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let name = name.to_owned();
+        tokio::spawn(async move {
+            keyfence::rail::sim::serve(listener, &name, async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        Self { url, _stop: stop }
+    }
+
+    /// Every instruction the rail applied, in order.
+    pub async fn statement(&self) -> Vec<Applied> {
+        reqwest::get(format!("{}/v1/statement", self.url)).await.unwrap().json().await.unwrap()
+    }
+
+    pub async fn set_faults(&self, faults: Value) {
+        let response = reqwest::Client::new().put(format!("{}/v1/faults", self.url)).json(&faults).send().await.unwrap();
+        assert!(response.status().is_success(), "setting faults: {}", response.status());
+    }
+
+    pub async fn clear_faults(&self) {
+        reqwest::Client::new().delete(format!("{}/v1/faults", self.url)).send().await.unwrap();
+    }
+}
+
+pub struct TestApp {
+    pub url: String,
+    pub http: reqwest::Client,
+    pub keys: TestKeys,
+    pub db: TestLedger,
+    pub e1: TestRail,
+    pub e2: TestRail,
+    pub api_key: String,
+    _stop: oneshot::Sender<()>,
+}
+
+/// The service with its defaults, as a user would run it.
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+/// The service with some settings changed first.
+pub async fn spawn_app_with(adjust: impl FnOnce(&mut ServeSettings)) -> TestApp {
+    let keys = TestKeys::new().await;
+    let db = TestLedger::new().await;
+    let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
+    let mut settings = ServeSettings {
+        keys: keys.settings.clone(),
+        ledger: db.settings.clone(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        region: "test-1".into(),
+        instance: "test".into(),
+        e1_url: e1.url.clone(),
+        e2_url: e2.url.clone(),
+        lease: Duration::from_secs(10),
+        rail_timeout: Duration::from_secs(2),
+        body_limit: 16 * 1024,
+        retention_hours: 72,
+    };
+    adjust(&mut settings);
+    let app = Application::build(&settings).await.expect("the service starts");
+    let url = format!("http://{}", app.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(app.run_until_stopped(async {
+        let _ = stopped.await;
+    }));
+    let api_key = ApiKey::generate();
+    db.ledger.create_client("test client", &api_key).await.unwrap();
+    TestApp {
+        url,
+        http: reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap(),
+        keys,
+        db,
+        e1,
+        e2,
+        api_key: api_key.reveal().to_owned(),
+        _stop: stop,
+    }
+}
+
+/// A valid payment body.
+pub fn payment(end_to_end_id: &str) -> Value {
+    json!({
+        "amount_minor": 1250,
+        "currency": "EUR",
+        "debtor_account": "DE89370400440532013000",
+        "creditor_account": "FR1420041010050500013M02606",
+        "end_to_end_id": end_to_end_id,
+        "remittance_info": "invoice 42",
+    })
+}
+
+impl TestApp {
+    /// POSTs a payment as this app's client.
+    pub async fn pay(&self, key: &str, body: &Value) -> reqwest::Response {
+        self.pay_as(&self.api_key, key, body).await
+    }
+
+    pub async fn pay_as(&self, api_key: &str, key: &str, body: &Value) -> reqwest::Response {
+        self.http
+            .post(format!("{}/v1/payments", self.url))
+            .bearer_auth(api_key)
+            .header("Idempotency-Key", key)
+            .json(body)
+            .send()
+            .await
+            .expect("the service answers")
+    }
+
+    pub async fn get_as(&self, api_key: &str, path: &str) -> reqwest::Response {
+        self.http.get(format!("{}{path}", self.url)).bearer_auth(api_key).send().await.unwrap()
+    }
+
+    /// A second client of the same service.
+    pub async fn add_client(&self) -> (ClientId, String) {
+        let key = ApiKey::generate();
+        let id = self.db.ledger.create_client("another client", &key).await.unwrap();
+        (id, key.reveal().to_owned())
+    }
+
+    /// Rows in a ledger table.
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(self.db.ledger.pool())
+            .await
+            .unwrap()
+    }
+
+    /// Payments whose postings do not sum to zero (must always be 0).
+    pub async fn unbalanced_payments(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT payment_id FROM postings GROUP BY payment_id, currency
+                                    HAVING sum(amount_minor) <> 0) AS off",
+        )
+        .fetch_one(self.db.ledger.pool())
+        .await
+        .unwrap()
+    }
+
+    /// Items in the key table.
+    pub async fn key_items(&self) -> usize {
+        let out = self.keys.store.client().scan().table_name(self.keys.store.table()).send().await.unwrap();
+        out.items().len()
+    }
+}
