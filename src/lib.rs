@@ -9,9 +9,15 @@
 //!   token; it decides which attempt owns a key.
 //! - [`ledger`]: the regional PostgreSQL ledger. Each phase of a request is one
 //!   transaction that checks the fence and advances the recovery point.
-//! - [`config`], [`startup`], [`telemetry`]: settings, bringing the stores
-//!   up, and logging, shared by every subcommand of the `keyfence` binary.
+//! - [`rail`]: the client for external systems, and the simulator that
+//!   stands in for them locally.
+//! - [`engine`]: the protocol: claim or branch, then drive an operation's
+//!   phases and external calls, resuming from the recovery point.
+//! - [`http`]: the axum front door; validates input and calls the engine.
+//! - [`config`], [`startup`], [`telemetry`], [`bench`]: settings, building
+//!   the service, logging and load measurement, for the `keyfence` binary.
 
+pub mod bench;
 pub mod config;
 pub mod domain;
 pub mod engine;

@@ -7,10 +7,11 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use keyfence::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
 use keyfence::domain::ApiKey;
-use keyfence::keystore::TableChange;
+use keyfence::keystore::{self, DynamoKeyStore, TableChange};
+use keyfence::rail::RailClient;
 use keyfence::ledger::Ledger;
 use keyfence::startup::{Application, shutdown_signal};
-use keyfence::{rail, startup, telemetry};
+use keyfence::{bench, rail, startup, telemetry};
 
 #[derive(Parser)]
 #[command(name = "keyfence", version, about = "Exactly-once payment requests across regions")]
@@ -30,6 +31,27 @@ enum Command {
     Clients(ClientsCommand),
     /// Run a rail simulator standing in for an external system (E1 or E2).
     RailSim(RailSimArgs),
+    /// Measure a running front door against the floor of its store and rail calls.
+    Bench(Box<BenchArgs>),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// The front door to measure.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Payments to send (each phase sends this many).
+    #[arg(short = 'n', long, default_value_t = 1000)]
+    requests: usize,
+    /// Requests in flight at once.
+    #[arg(short = 'c', long, default_value_t = 16)]
+    concurrency: usize,
+    /// Where to write the figures (JSON).
+    #[arg(long, default_value = "bench-results/front-door.json")]
+    out: std::path::PathBuf,
+    /// The stores and rails of the same stack, for the floor loop.
+    #[command(flatten)]
+    serve: ServeSettings,
 }
 
 #[derive(Args)]
@@ -74,7 +96,35 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate(args) => migrate(args).await,
         Command::Clients(ClientsCommand::Add { name, ledger, json }) => add_client(&name, &ledger, json).await,
         Command::RailSim(args) => rail_sim(args).await,
+        Command::Bench(args) => bench(*args).await,
     }
+}
+
+async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let s = &args.serve;
+    let ledger = Ledger::connect(&s.ledger).await.context("connecting to the ledger")?;
+    let api_key = ApiKey::generate();
+    ledger.create_client("bench", &api_key).await.context("creating the bench client")?;
+    let floor = bench::Floor {
+        keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
+        ledger,
+        e1: RailClient::new(&s.e1_url, s.rail_timeout),
+        e2: RailClient::new(&s.e2_url, s.rail_timeout),
+    };
+    let plan = bench::BenchPlan {
+        url: args.url.clone(),
+        api_key: api_key.reveal().to_owned(),
+        requests: args.requests,
+        concurrency: args.concurrency,
+    };
+    let report = bench::run(&plan, &floor).await;
+    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_vec_pretty(&report)?)?;
+    print!("{}", report.table());
+    println!("figures written to {}", args.out.display());
+    Ok(())
 }
 
 async fn serve(settings: ServeSettings) -> anyhow::Result<()> {

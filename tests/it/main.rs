@@ -4,6 +4,7 @@
 
 mod app;
 mod emulator;
+mod engine_costs;
 mod front_door;
 mod front_door_faults;
 mod harness;

@@ -1,0 +1,101 @@
+//! What the common path costs in key-store round trips, counted on the real
+//! store: a first payment is one claim and one finish (no read, no
+//! heartbeat); a replay is one claim whose failure carries the answer.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
+use keyfence::engine::{Answer, Engine, EngineSettings, PaymentOperation, Rails, Submission};
+use keyfence::keystore::{Claim, Finish, KeyItem, KeyStore, KeyStoreError, Lease, Release};
+use keyfence::rail::RailClient;
+
+use crate::app::{TestRail, payment};
+use crate::harness::{TestKeys, TestLedger, fresh_key};
+
+/// A key store that counts the operations passing through to the real one.
+struct Counting<K> {
+    inner: K,
+    calls: Mutex<BTreeMap<&'static str, usize>>,
+}
+
+impl<K> Counting<K> {
+    fn note(&self, op: &'static str) {
+        *self.calls.lock().unwrap().entry(op).or_default() += 1;
+    }
+
+    fn take(&self) -> BTreeMap<&'static str, usize> {
+        std::mem::take(&mut *self.calls.lock().unwrap())
+    }
+}
+
+impl<K: KeyStore> KeyStore for Counting<K> {
+    async fn claim(&self, claim: &Claim) -> Result<KeyItem, KeyStoreError> {
+        self.note("claim");
+        self.inner.claim(claim).await
+    }
+    async fn take_over(&self, key: &ScopedKey, seen: Fence, owner: &Owner, lease: Lease) -> Result<KeyItem, KeyStoreError> {
+        self.note("take_over");
+        self.inner.take_over(key, seen, owner, lease).await
+    }
+    async fn heartbeat(&self, key: &ScopedKey, fence: Fence, lease: Lease) -> Result<Millis, KeyStoreError> {
+        self.note("heartbeat");
+        self.inner.heartbeat(key, fence, lease).await
+    }
+    async fn finish(&self, key: &ScopedKey, fence: Fence, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
+        self.note("finish");
+        self.inner.finish(key, fence, finish).await
+    }
+    async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
+        self.note("release");
+        self.inner.release(key, fence, how).await
+    }
+    async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
+        self.note("get");
+        self.inner.get(key).await
+    }
+}
+
+#[tokio::test]
+async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
+    let keys = TestKeys::new().await;
+    let db = TestLedger::new().await;
+    let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
+    let counting = Counting { inner: keys.store.clone(), calls: Mutex::default() };
+    let rails = Rails {
+        screening: RailClient::new(&e1.url, Duration::from_secs(2)),
+        payment: RailClient::new(&e2.url, Duration::from_secs(2)),
+    };
+    let settings = EngineSettings {
+        region: "test-1".into(),
+        instance: "test".into(),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(3600),
+    };
+    let engine = Engine::new(counting, db.ledger.clone(), rails, settings);
+    let client = fresh_key().client;
+    let body = payment("E2E-COST");
+    let submit = |key: &str| Submission {
+        key: ScopedKey::new(client, IdempotencyKey::parse(key).unwrap()),
+        request_hash: RequestHash::of("POST", "/v1/payments", body.to_string().as_bytes()),
+        canonical: body.to_string().into_bytes(),
+        operation: PaymentOperation::new(PaymentRequest::parse(body.clone()).unwrap()),
+    };
+
+    let first = engine.submit(submit("cost-1")).await.unwrap();
+    assert!(matches!(&first, Answer::Final { replayed: false, .. }), "{first:?}");
+    assert_eq!(engine.keys().take(), BTreeMap::from([("claim", 1), ("finish", 1)]));
+
+    let replay = engine.submit(submit("cost-1")).await.unwrap();
+    assert!(matches!(&replay, Answer::Final { replayed: true, .. }), "{replay:?}");
+    assert_eq!(engine.keys().take(), BTreeMap::from([("claim", 1)]));
+
+    let ledger_transactions: i64 = sqlx::query_scalar("SELECT count(DISTINCT ran_at) FROM phase_runs")
+        .fetch_one(db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(ledger_transactions, 3, "three ledger transactions for the whole payment");
+    let points: i64 = sqlx::query_scalar("SELECT count(*) FROM phase_runs").fetch_one(db.ledger.pool()).await.unwrap();
+    assert_eq!(points, 7, "every recovery point was still recorded");
+}
