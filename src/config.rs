@@ -37,7 +37,12 @@ pub struct KeyStoreSettings {
 #[derive(Args, Clone, Debug)]
 pub struct LedgerSettings {
     /// PostgreSQL URL of this region's ledger (created by `migrate` if missing).
-    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/keyfence", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/keyfence",
+        hide_env_values = true
+    )]
     pub database_url: DatabaseUrl,
 }
 
@@ -78,12 +83,16 @@ impl DatabaseUrl {
 
     /// The database this URL names (PostgreSQL's default: the user's name).
     pub fn database(&self) -> &str {
-        self.options.get_database().unwrap_or_else(|| self.options.get_username())
+        self.options
+            .get_database()
+            .unwrap_or_else(|| self.options.get_username())
     }
 
     /// The same server and credentials, another database.
     pub fn with_database(&self, name: &str) -> Self {
-        Self { options: self.options.clone().database(name) }
+        Self {
+            options: self.options.clone().database(name),
+        }
     }
 }
 
@@ -91,7 +100,9 @@ impl FromStr for DatabaseUrl {
     type Err = String;
 
     fn from_str(url: &str) -> Result<Self, Self::Err> {
-        let options = url.parse::<PgConnectOptions>().map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
+        let options = url
+            .parse::<PgConnectOptions>()
+            .map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
         Ok(Self { options })
     }
 }
@@ -99,7 +110,14 @@ impl FromStr for DatabaseUrl {
 impl fmt::Display for DatabaseUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.options;
-        write!(f, "postgres://{}@{}:{}/{}", o.get_username(), o.get_host(), o.get_port(), self.database())
+        write!(
+            f,
+            "postgres://{}@{}:{}/{}",
+            o.get_username(),
+            o.get_host(),
+            o.get_port(),
+            self.database()
+        )
     }
 }
 
@@ -111,7 +129,9 @@ impl fmt::Debug for DatabaseUrl {
 
 fn parse_table_name(name: &str) -> Result<String, String> {
     let valid = (3..=255).contains(&name.len())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
     if valid {
         Ok(name.to_owned())
     } else {

@@ -8,8 +8,8 @@ use clap::{Args, Parser, Subcommand};
 use keyfence::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
 use keyfence::domain::ApiKey;
 use keyfence::keystore::{self, DynamoKeyStore, TableChange};
-use keyfence::rail::RailClient;
 use keyfence::ledger::Ledger;
+use keyfence::rail::RailClient;
 use keyfence::startup::{Application, shutdown_signal};
 use keyfence::{bench, rail, startup, telemetry};
 
@@ -104,7 +104,10 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let s = &args.serve;
     let ledger = Ledger::connect(&s.ledger).await.context("connecting to the ledger")?;
     let api_key = ApiKey::generate();
-    ledger.create_client("bench", &api_key).await.context("creating the bench client")?;
+    ledger
+        .create_client("bench", &api_key)
+        .await
+        .context("creating the bench client")?;
     let floor = bench::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
         ledger,
@@ -136,11 +139,19 @@ async fn serve(settings: ServeSettings) -> anyhow::Result<()> {
 }
 
 async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow::Result<()> {
-    let ledger = Ledger::connect(settings).await.with_context(|| format!("connecting to {}", settings.database_url))?;
+    let ledger = Ledger::connect(settings)
+        .await
+        .with_context(|| format!("connecting to {}", settings.database_url))?;
     let key = ApiKey::generate();
-    let id = ledger.create_client(name, &key).await.context("creating the client (has `keyfence migrate` run?)")?;
+    let id = ledger
+        .create_client(name, &key)
+        .await
+        .context("creating the client (has `keyfence migrate` run?)")?;
     if json {
-        println!("{}", serde_json::json!({ "client_id": id.to_string(), "api_key": key.reveal() }));
+        println!(
+            "{}",
+            serde_json::json!({ "client_id": id.to_string(), "api_key": key.reveal() })
+        );
     } else {
         println!("client {name}: {id}");
         println!("api key (shown only now): {}", key.reveal());
@@ -149,16 +160,21 @@ async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow
 }
 
 async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
     tracing::info!(addr = %listener.local_addr()?, name = %args.name, "rail simulator serving");
     rail::sim::serve(listener, &args.name, shutdown_signal()).await?;
     Ok(())
 }
 
 async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
-    let done = startup::migrate(&args.keys, &args.ledger)
-        .await
-        .with_context(|| format!("migrating table {} and ledger {}", args.keys.table, args.ledger.database_url))?;
+    let done = startup::migrate(&args.keys, &args.ledger).await.with_context(|| {
+        format!(
+            "migrating table {} and ledger {}",
+            args.keys.table, args.ledger.database_url
+        )
+    })?;
     let table = match done.table {
         TableChange::Created => "created",
         TableChange::AlreadyThere => "already there",
@@ -179,7 +195,11 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         println!(
             "ledger {}: {}{} migration(s) applied, schema version {}",
             args.ledger.database_url,
-            if done.ledger.database_created { "database created, " } else { "" },
+            if done.ledger.database_created {
+                "database created, "
+            } else {
+                ""
+            },
             done.ledger.applied.len(),
             done.ledger.version.map_or_else(|| "none".to_owned(), |v| v.to_string()),
         );

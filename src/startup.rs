@@ -69,11 +69,19 @@ impl Application {
                 retention: Duration::from_secs(settings.retention_hours * 3600),
             },
         );
-        let state = AppState { engine: Arc::new(engine) };
+        let state = AppState {
+            engine: Arc::new(engine),
+        };
         let listener = TcpListener::bind(settings.listen)
             .await
-            .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
-        Ok(Self { listener, router: router(state, settings.body_limit) })
+            .map_err(|source| StartupError::Listen {
+                addr: settings.listen,
+                source,
+            })?;
+        Ok(Self {
+            listener,
+            router: router(state, settings.body_limit),
+        })
     }
 
     /// Where it listens (useful when bound to port 0).
@@ -83,7 +91,9 @@ impl Application {
 
     /// Serves until `shutdown` resolves, then finishes in-flight requests.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-        axum::serve(self.listener, self.router).with_graceful_shutdown(shutdown).await
+        axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(shutdown)
+            .await
     }
 }
 

@@ -84,7 +84,12 @@ pub enum Answer {
 
 impl<K> Engine<K> {
     pub fn new(keys: K, ledger: Ledger, rails: Rails, settings: EngineSettings) -> Self {
-        Self { keys, ledger, rails, settings }
+        Self {
+            keys,
+            ledger,
+            rails,
+            settings,
+        }
     }
 
     pub fn keys(&self) -> &K {

@@ -56,8 +56,25 @@ impl PaymentOperation {
     /// Moves the amount from one account to another as one balanced entry.
     async fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) -> Result<(), EngineError> {
         let amount = self.payment.amount_minor;
-        let legs = [Leg { account: from, amount_minor: -amount }, Leg { account: to, amount_minor: amount }];
-        payments::post(cx.conn, cx.request.payment_id, entry, &self.payment.currency, &legs, cx.fence).await?;
+        let legs = [
+            Leg {
+                account: from,
+                amount_minor: -amount,
+            },
+            Leg {
+                account: to,
+                amount_minor: amount,
+            },
+        ];
+        payments::post(
+            cx.conn,
+            cx.request.payment_id,
+            entry,
+            &self.payment.currency,
+            &legs,
+            cx.fence,
+        )
+        .await?;
         Ok(())
     }
 
@@ -67,8 +84,21 @@ impl PaymentOperation {
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
         let rail = rail_result(cx.conn, cx.request, "ext2").await?;
-        self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account)).await?;
-        payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
+        self.transfer(
+            cx,
+            "settle",
+            CLEARING,
+            &format!("creditor:{}", self.payment.creditor_account),
+        )
+        .await?;
+        payments::set_status(
+            cx.conn,
+            cx.request.payment_id,
+            "succeeded",
+            Some(&rail.reference),
+            cx.fence,
+        )
+        .await?;
         let payment = payments::payment(cx.conn, cx.request.payment_id)
             .await?
             .ok_or_else(|| EngineError::Fault("the payment row vanished".into()))?;
@@ -107,7 +137,11 @@ impl Operation for PaymentOperation {
         &STEPS
     }
 
-    async fn local(&self, point: &RecoveryPoint, cx: &mut StepContext<'_>) -> Result<Option<StoredResponse>, EngineError> {
+    async fn local(
+        &self,
+        point: &RecoveryPoint,
+        cx: &mut StepContext<'_>,
+    ) -> Result<Option<StoredResponse>, EngineError> {
         if *point == H1_DONE {
             payments::insert_payment(cx.conn, cx.request, &self.payment, cx.fence).await?;
             let debtor = format!("debtor:{}", self.payment.debtor_account);

@@ -36,7 +36,10 @@ impl<K: KeyStore> Engine<K> {
             payment_id: Uuid::now_v7(),
             owner: Owner::attempt_of(&self.settings.instance),
             home_region: self.settings.region.clone(),
-            lease: Lease { now, length: self.settings.lease },
+            lease: Lease {
+                now,
+                length: self.settings.lease,
+            },
         };
         match self.keys.claim(&claim).await {
             Ok(item) => {
@@ -44,9 +47,12 @@ impl<K: KeyStore> Engine<K> {
                 self.drive(&submission.operation, &mut attempt).await
             }
             Err(KeyStoreError::Taken(Some(existing))) => {
-                self.on_existing(&submission.operation, &existing, &submission.request_hash, now).await
+                self.on_existing(&submission.operation, &existing, &submission.request_hash, now)
+                    .await
             }
-            Err(KeyStoreError::Taken(None)) => Ok(Answer::InFlight { retry_after: Duration::from_secs(1) }),
+            Err(KeyStoreError::Taken(None)) => Ok(Answer::InFlight {
+                retry_after: Duration::from_secs(1),
+            }),
             Err(e) => Err(e.into()),
         }
     }
@@ -66,14 +72,22 @@ impl<K: KeyStore> Engine<K> {
                 .response
                 .clone()
                 .ok_or_else(|| EngineError::Fault(format!("{} is finished without an answer", existing.key)))?;
-            return Ok(Answer::Final { response, replayed: true });
+            return Ok(Answer::Final {
+                response,
+                replayed: true,
+            });
         }
-        let in_flight = Answer::InFlight { retry_after: retry_after(existing, now) };
+        let in_flight = Answer::InFlight {
+            retry_after: retry_after(existing, now),
+        };
         if existing.home_region != self.settings.region || existing.lease_until >= now {
             return Ok(in_flight);
         }
         let owner = Owner::attempt_of(&self.settings.instance);
-        let lease = Lease { now, length: self.settings.lease };
+        let lease = Lease {
+            now,
+            length: self.settings.lease,
+        };
         let item = match self.keys.take_over(&existing.key, existing.fence, &owner, lease).await {
             Ok(item) => item,
             Err(KeyStoreError::Taken(_)) => return Ok(in_flight),

@@ -15,7 +15,11 @@ use crate::domain::{IdempotencyKey, ScopedKey};
 use crate::engine::EngineError;
 use crate::keystore::KeyStore;
 
-pub async fn show(State(state): State<AppState>, Caller(client): Caller, Path(key): Path<String>) -> Result<Response, ApiError> {
+pub async fn show(
+    State(state): State<AppState>,
+    Caller(client): Caller,
+    Path(key): Path<String>,
+) -> Result<Response, ApiError> {
     let key = IdempotencyKey::parse(&key).map_err(ApiError::InvalidKey)?;
     let item = state
         .engine

@@ -56,7 +56,9 @@ fn respond(answer: Answer) -> Result<Response, ApiError> {
                 reply.headers_mut().insert(name, value);
             }
             if replayed {
-                reply.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+                reply
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
             }
             Ok(reply)
         }
@@ -70,9 +72,18 @@ fn respond(answer: Answer) -> Result<Response, ApiError> {
     }
 }
 
-pub async fn show(State(state): State<AppState>, Caller(client): Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn show(
+    State(state): State<AppState>,
+    Caller(client): Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound)?;
-    let payment = state.engine.ledger().payment_of(client, id).await.map_err(crate::engine::EngineError::from)?;
+    let payment = state
+        .engine
+        .ledger()
+        .payment_of(client, id)
+        .await
+        .map_err(crate::engine::EngineError::from)?;
     payment.map(|p| Json(p).into_response()).ok_or(ApiError::NotFound)
 }
 
@@ -87,7 +98,11 @@ pub async fn by_reference(
     Query(query): Query<ByReference>,
 ) -> Result<Response, ApiError> {
     let reference = query.end_to_end_id.ok_or(ApiError::MissingQuery("end_to_end_id"))?;
-    let payments =
-        state.engine.ledger().payments_by_reference(client, &reference).await.map_err(crate::engine::EngineError::from)?;
+    let payments = state
+        .engine
+        .ledger()
+        .payments_by_reference(client, &reference)
+        .await
+        .map_err(crate::engine::EngineError::from)?;
     Ok(Json(json!({ "data": payments })).into_response())
 }

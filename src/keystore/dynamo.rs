@@ -61,7 +61,10 @@ pub struct DynamoKeyStore {
 
 impl DynamoKeyStore {
     pub fn new(client: Client, table: impl Into<String>) -> Self {
-        Self { client, table: table.into() }
+        Self {
+            client,
+            table: table.into(),
+        }
     }
 
     pub fn client(&self) -> &Client {
@@ -121,7 +124,13 @@ impl KeyStore for DynamoKeyStore {
     }
 
     #[tracing::instrument(skip_all, fields(pk = %key, seen = %seen))]
-    async fn take_over(&self, key: &ScopedKey, seen: Fence, owner: &Owner, lease: Lease) -> Result<KeyItem, KeyStoreError> {
+    async fn take_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+    ) -> Result<KeyItem, KeyStoreError> {
         let sent = self
             .client
             .update_item()
@@ -144,8 +153,13 @@ impl KeyStore for DynamoKeyStore {
             Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
             Err(Failure::Condition(Some(current))) => {
                 let current = decode(&current)?;
-                let ours = current.owner == *owner && current.fence == seen.next() && current.state == KeyState::Started;
-                if ours { Ok(current) } else { Err(KeyStoreError::Taken(Some(Box::new(current)))) }
+                let ours =
+                    current.owner == *owner && current.fence == seen.next() && current.state == KeyState::Started;
+                if ours {
+                    Ok(current)
+                } else {
+                    Err(KeyStoreError::Taken(Some(Box::new(current))))
+                }
             }
             Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
             Err(Failure::Store(e)) => Err(e),
@@ -280,7 +294,10 @@ impl KeyStore for DynamoKeyStore {
 /// DynamoDB rejects expression attribute names that the expression does not
 /// use, so operations with fewer placeholders pass only theirs.
 fn names_for(used: &[&str]) -> HashMap<String, String> {
-    names().into_iter().filter(|(k, _)| used.contains(&k.as_str())).collect()
+    names()
+        .into_iter()
+        .filter(|(k, _)| used.contains(&k.as_str()))
+        .collect()
 }
 
 /// A failed request: either its condition did not hold (with the item as it
@@ -293,7 +310,9 @@ enum Failure {
 /// For fenced writes a failed condition means someone else owns the key now.
 fn fenced_out(failure: Failure) -> Result<KeyStoreError, KeyStoreError> {
     match failure {
-        Failure::Condition(current) => Ok(KeyStoreError::FencedOut(current.map(|c| decode(&c)).transpose()?.map(Box::new))),
+        Failure::Condition(current) => Ok(KeyStoreError::FencedOut(
+            current.map(|c| decode(&c)).transpose()?.map(Box::new),
+        )),
         Failure::Store(e) => Err(e),
     }
 }

@@ -144,7 +144,11 @@ pub(super) fn encode(item: &KeyItem) -> HashMap<String, AttributeValue> {
 }
 
 pub(super) fn encode_response(response: &StoredResponse) -> [(String, AttributeValue); 3] {
-    let headers = response.headers.iter().map(|(k, v)| (k.clone(), s(v.as_str()))).collect();
+    let headers = response
+        .headers
+        .iter()
+        .map(|(k, v)| (k.clone(), s(v.as_str())))
+        .collect();
     [
         (attr::RESPONSE_STATUS.to_owned(), n(u64::from(response.status))),
         (attr::RESPONSE_HEADERS.to_owned(), AttributeValue::M(headers)),
@@ -186,7 +190,10 @@ pub(super) fn decode(attrs: &HashMap<String, AttributeValue>) -> Result<KeyItem,
             .parse()
             .map_err(|e| malformed(attr::PAYMENT_ID, e))?,
         response,
-        expires_at: attrs.get(attr::EXPIRES_AT).map(|_| get_n(attrs, attr::EXPIRES_AT)).transpose()?,
+        expires_at: attrs
+            .get(attr::EXPIRES_AT)
+            .map(|_| get_n(attrs, attr::EXPIRES_AT))
+            .transpose()?,
     })
 }
 
@@ -194,7 +201,9 @@ fn decode_headers(attrs: &HashMap<String, AttributeValue>) -> Result<BTreeMap<St
     let Some(value) = attrs.get(attr::RESPONSE_HEADERS) else {
         return Ok(BTreeMap::new());
     };
-    let map = value.as_m().map_err(|_| malformed(attr::RESPONSE_HEADERS, "not a map"))?;
+    let map = value
+        .as_m()
+        .map_err(|_| malformed(attr::RESPONSE_HEADERS, "not a map"))?;
     map.iter()
         .map(|(k, v)| match v.as_s() {
             Ok(v) => Ok((k.clone(), v.clone())),

@@ -45,7 +45,13 @@ impl KeyStore for MemoryKeyStore {
         })
     }
 
-    async fn take_over(&self, key: &ScopedKey, seen: Fence, owner: &Owner, lease: Lease) -> Result<KeyItem, KeyStoreError> {
+    async fn take_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+    ) -> Result<KeyItem, KeyStoreError> {
         self.with_items(|items| {
             let Some(item) = items.get_mut(&key.partition_key()) else {
                 return Err(KeyStoreError::Taken(None));
@@ -57,7 +63,11 @@ impl KeyStore for MemoryKeyStore {
                 item.lease_until = lease.until();
                 item.owner = owner.clone();
             }
-            if stale || ours { Ok(item.clone()) } else { Err(KeyStoreError::Taken(Some(Box::new(item.clone())))) }
+            if stale || ours {
+                Ok(item.clone())
+            } else {
+                Err(KeyStoreError::Taken(Some(Box::new(item.clone()))))
+            }
         })
     }
 

@@ -8,8 +8,8 @@ use std::time::Duration;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, Projection,
-    ProjectionType, ScalarAttributeType, TableStatus, TimeToLiveSpecification, TimeToLiveStatus,
+    AttributeDefinition, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, Projection, ProjectionType,
+    ScalarAttributeType, TableStatus, TimeToLiveSpecification, TimeToLiveStatus,
 };
 
 use super::KeyStoreError;
@@ -53,13 +53,26 @@ pub async fn delete_table(client: &Client, table: &str) -> Result<(), KeyStoreEr
 
 async fn create(client: &Client, table: &str) -> Result<(), KeyStoreError> {
     let key = |name: &str, kind| KeySchemaElement::builder().attribute_name(name).key_type(kind).build();
-    let def = |name: &str, kind| AttributeDefinition::builder().attribute_name(name).attribute_type(kind).build();
+    let def = |name: &str, kind| {
+        AttributeDefinition::builder()
+            .attribute_name(name)
+            .attribute_type(kind)
+            .build()
+    };
     let projection = Projection::builder()
         .projection_type(ProjectionType::Include)
         .set_non_key_attributes(Some(
-            [attr::CLIENT_ID, attr::KEY, attr::FENCE, attr::OWNER, attr::HOME_REGION, attr::CREATED_AT, attr::PAYMENT_ID]
-                .map(String::from)
-                .to_vec(),
+            [
+                attr::CLIENT_ID,
+                attr::KEY,
+                attr::FENCE,
+                attr::OWNER,
+                attr::HOME_REGION,
+                attr::CREATED_AT,
+                attr::PAYMENT_ID,
+            ]
+            .map(String::from)
+            .to_vec(),
         ))
         .build();
     let index = GlobalSecondaryIndex::builder()
@@ -96,11 +109,18 @@ async fn wait_active(client: &Client, table: &str) -> Result<(), KeyStoreError> 
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Err(KeyStoreError::Unavailable(format!("table {table} did not become active within a minute")))
+    Err(KeyStoreError::Unavailable(format!(
+        "table {table} did not become active within a minute"
+    )))
 }
 
 async fn enable_ttl(client: &Client, table: &str) -> Result<(), KeyStoreError> {
-    let out = client.describe_time_to_live().table_name(table).send().await.map_err(fault)?;
+    let out = client
+        .describe_time_to_live()
+        .table_name(table)
+        .send()
+        .await
+        .map_err(fault)?;
     let status = out.time_to_live_description().and_then(|d| d.time_to_live_status());
     if matches!(status, Some(TimeToLiveStatus::Enabled | TimeToLiveStatus::Enabling)) {
         return Ok(());

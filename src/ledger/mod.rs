@@ -60,7 +60,11 @@ impl Ledger {
         MIGRATOR.run(&ledger.pool).await?;
         let after = ledger.applied_versions().await?;
         let applied = after.iter().copied().filter(|v| !before.contains(v)).collect();
-        let report = MigrationReport { database_created, applied, version: after.last().copied() };
+        let report = MigrationReport {
+            database_created,
+            applied,
+            version: after.last().copied(),
+        };
         Ok((ledger, report))
     }
 
@@ -75,9 +79,11 @@ impl Ledger {
         if !exists {
             return Ok(Vec::new());
         }
-        Ok(sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
-            .fetch_all(&self.pool)
-            .await?)
+        Ok(
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
+                .fetch_all(&self.pool)
+                .await?,
+        )
     }
 }
 
@@ -96,9 +102,7 @@ async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError>
         return Ok(false);
     }
     let create = format!("CREATE DATABASE {}", quote_ident(url.database()));
-    let created = sqlx::query(sqlx::AssertSqlSafe(create))
-        .execute(&admin)
-        .await;
+    let created = sqlx::query(sqlx::AssertSqlSafe(create)).execute(&admin).await;
     match created {
         Ok(_) => Ok(true),
         // Another migrate created it first.

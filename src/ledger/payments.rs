@@ -117,18 +117,29 @@ pub async fn set_status(
 /// A payment read inside a phase (for building the final answer).
 pub async fn payment(conn: &mut PgConnection, id: Uuid) -> Result<Option<Payment>, LedgerError> {
     let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1");
-    Ok(sqlx::query_as(sqlx::AssertSqlSafe(query)).bind(id).fetch_optional(conn).await?)
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .bind(id)
+        .fetch_optional(conn)
+        .await?)
 }
 
 impl Ledger {
     /// The client's payment with this id; `None` for another client's.
     pub async fn payment_of(&self, client: ClientId, id: Uuid) -> Result<Option<Payment>, LedgerError> {
         let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1 AND client_id = $2");
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(query)).bind(id).bind(client.as_uuid()).fetch_optional(&self.pool).await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(query))
+            .bind(id)
+            .bind(client.as_uuid())
+            .fetch_optional(&self.pool)
+            .await?)
     }
 
     /// The client's payments carrying this end-to-end reference, oldest first.
-    pub async fn payments_by_reference(&self, client: ClientId, end_to_end_id: &str) -> Result<Vec<Payment>, LedgerError> {
+    pub async fn payments_by_reference(
+        &self,
+        client: ClientId,
+        end_to_end_id: &str,
+    ) -> Result<Vec<Payment>, LedgerError> {
         let query = format!(
             "SELECT {COLUMNS} FROM payments WHERE client_id = $1 AND end_to_end_id = $2 ORDER BY created_at, id LIMIT 100"
         );

@@ -176,25 +176,35 @@ impl Ledger {
             .await?
         };
         match moved {
-            Some(_) => Ok(Phase { tx, fence, to: to.clone() }),
+            Some(_) => Ok(Phase {
+                tx,
+                fence,
+                to: to.clone(),
+            }),
             None => Err(refusal(&mut tx, request, fence, from).await?),
         }
     }
 }
 
+/// The answer columns of a request row, all null until it finishes.
+type AnswerRow = (
+    Option<i32>,
+    Option<sqlx::types::Json<BTreeMap<String, String>>>,
+    Option<Vec<u8>>,
+);
+
 impl Ledger {
     /// The final answer stored for a finished request.
     pub async fn answer(&self, request: &RequestRecord) -> Result<Option<StoredResponse>, LedgerError> {
-        let row: Option<(Option<i32>, Option<sqlx::types::Json<BTreeMap<String, String>>>, Option<Vec<u8>>)> =
-            sqlx::query_as(
-                "SELECT response_status, response_headers, response_body FROM requests
+        let row: Option<AnswerRow> = sqlx::query_as(
+            "SELECT response_status, response_headers, response_body FROM requests
                   WHERE client_id = $1 AND idem_key = $2 AND created_at = $3",
-            )
-            .bind(request.key.client.as_uuid())
-            .bind(request.key.key.as_str())
-            .bind(timestamp(request.created_at))
-            .fetch_optional(&self.pool)
-            .await?;
+        )
+        .bind(request.key.client.as_uuid())
+        .bind(request.key.key.as_str())
+        .bind(timestamp(request.created_at))
+        .fetch_optional(&self.pool)
+        .await?;
         Ok(match row {
             Some((Some(status), Some(headers), Some(body))) => Some(StoredResponse {
                 status: u16::try_from(status).unwrap_or(500),
@@ -224,11 +234,17 @@ async fn refusal(
     .await?;
     let current = row
         .map(|row| -> Result<_, sqlx::Error> {
-            Ok((Fence::new(row.try_get::<i64, _>(0)?.unsigned_abs()), RecoveryPoint::from_stored(row.try_get(1)?)))
+            Ok((
+                Fence::new(row.try_get::<i64, _>(0)?.unsigned_abs()),
+                RecoveryPoint::from_stored(row.try_get(1)?),
+            ))
         })
         .transpose()?;
     Ok(match current {
         Some((current, _)) if current > fence => LedgerError::FencedOut { mine: fence, current },
-        found => LedgerError::OutOfOrder { expected: expected.clone(), found: found.map(|(_, point)| point) },
+        found => LedgerError::OutOfOrder {
+            expected: expected.clone(),
+            found: found.map(|(_, point)| point),
+        },
     })
 }

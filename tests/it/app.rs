@@ -36,16 +36,30 @@ impl TestRail {
 
     /// Every instruction the rail applied, in order.
     pub async fn statement(&self) -> Vec<Applied> {
-        reqwest::get(format!("{}/v1/statement", self.url)).await.unwrap().json().await.unwrap()
+        reqwest::get(format!("{}/v1/statement", self.url))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
     }
 
     pub async fn set_faults(&self, faults: Value) {
-        let response = reqwest::Client::new().put(format!("{}/v1/faults", self.url)).json(&faults).send().await.unwrap();
+        let response = reqwest::Client::new()
+            .put(format!("{}/v1/faults", self.url))
+            .json(&faults)
+            .send()
+            .await
+            .unwrap();
         assert!(response.status().is_success(), "setting faults: {}", response.status());
     }
 
     pub async fn clear_faults(&self) {
-        reqwest::Client::new().delete(format!("{}/v1/faults", self.url)).send().await.unwrap();
+        reqwest::Client::new()
+            .delete(format!("{}/v1/faults", self.url))
+            .send()
+            .await
+            .unwrap();
     }
 }
 
@@ -134,7 +148,12 @@ impl TestApp {
     }
 
     pub async fn get_as(&self, api_key: &str, path: &str) -> reqwest::Response {
-        self.http.get(format!("{}{path}", self.url)).bearer_auth(api_key).send().await.unwrap()
+        self.http
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(api_key)
+            .send()
+            .await
+            .unwrap()
     }
 
     /// A second client of the same service.
@@ -165,7 +184,15 @@ impl TestApp {
 
     /// Items in the key table.
     pub async fn key_items(&self) -> usize {
-        let out = self.keys.store.client().scan().table_name(self.keys.store.table()).send().await.unwrap();
+        let out = self
+            .keys
+            .store
+            .client()
+            .scan()
+            .table_name(self.keys.store.table())
+            .send()
+            .await
+            .unwrap();
         out.items().len()
     }
 }

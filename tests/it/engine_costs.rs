@@ -35,7 +35,13 @@ impl<K: KeyStore> KeyStore for Counting<K> {
         self.note("claim");
         self.inner.claim(claim).await
     }
-    async fn take_over(&self, key: &ScopedKey, seen: Fence, owner: &Owner, lease: Lease) -> Result<KeyItem, KeyStoreError> {
+    async fn take_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+    ) -> Result<KeyItem, KeyStoreError> {
         self.note("take_over");
         self.inner.take_over(key, seen, owner, lease).await
     }
@@ -62,7 +68,10 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
     let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
-    let counting = Counting { inner: keys.store.clone(), calls: Mutex::default() };
+    let counting = Counting {
+        inner: keys.store.clone(),
+        calls: Mutex::default(),
+    };
     let rails = Rails {
         screening: RailClient::new(&e1.url, Duration::from_secs(2)),
         payment: RailClient::new(&e2.url, Duration::from_secs(2)),
@@ -95,7 +104,13 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
         .fetch_one(db.ledger.pool())
         .await
         .unwrap();
-    assert_eq!(ledger_transactions, 3, "three ledger transactions for the whole payment");
-    let points: i64 = sqlx::query_scalar("SELECT count(*) FROM phase_runs").fetch_one(db.ledger.pool()).await.unwrap();
+    assert_eq!(
+        ledger_transactions, 3,
+        "three ledger transactions for the whole payment"
+    );
+    let points: i64 = sqlx::query_scalar("SELECT count(*) FROM phase_runs")
+        .fetch_one(db.ledger.pool())
+        .await
+        .unwrap();
     assert_eq!(points, 7, "every recovery point was still recorded");
 }

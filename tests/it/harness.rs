@@ -23,7 +23,9 @@ pub struct TestKeys {
 impl TestKeys {
     pub async fn new() -> Self {
         let mut settings = KeyStoreSettings::from_env().expect("key store settings from the environment");
-        settings.aws_endpoint_url.get_or_insert_with(|| LOCAL_DYNAMODB.to_owned());
+        settings
+            .aws_endpoint_url
+            .get_or_insert_with(|| LOCAL_DYNAMODB.to_owned());
         settings.table = format!("keyfence-test-{}", Uuid::new_v4().simple());
         // Hundreds of racers queue at the emulator, which serves one request at a time.
         settings.attempt_timeout = Duration::from_secs(30);
@@ -31,7 +33,10 @@ impl TestKeys {
         keystore::ensure_table(&client, &settings.table)
             .await
             .unwrap_or_else(|e| panic!("creating a test table (is the emulator running? scripts/test starts it): {e}"));
-        Self { store: DynamoKeyStore::new(client, settings.table.clone()), settings }
+        Self {
+            store: DynamoKeyStore::new(client, settings.table.clone()),
+            settings,
+        }
     }
 }
 
@@ -70,7 +75,10 @@ impl Drop for TestLedger {
         // The pool's connections belong to the test's runtime, which is
         // blocked here; FORCE ends them from the server side instead.
         cleanup(async move {
-            let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", ledger::quote_ident(url.database()));
+            let drop = format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                ledger::quote_ident(url.database())
+            );
             let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone()).await;
             let dropped = match admin {
                 Ok(admin) => sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await.map(|_| ()),
@@ -87,7 +95,11 @@ impl Drop for TestLedger {
 /// (the test's runtime may be shutting down or panicking).
 fn cleanup(work: impl std::future::Future<Output = ()> + Send + 'static) {
     let done = std::thread::spawn(move || {
-        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("cleanup runtime").block_on(work)
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("cleanup runtime")
+            .block_on(work)
     })
     .join();
     if done.is_err() {
