@@ -80,13 +80,7 @@ pub async fn run(plan: &BenchPlan, floor: &Floor) -> Report {
                 "creditor_account": "FR1420041010050500013M02606",
                 "end_to_end_id": format!("BENCH-{i}"),
             }));
-        async move {
-            request
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
-                .map_err(|e| e.to_string())
-        }
+        async move { request.send().await.map(|r| r.status().as_u16()).map_err(|e| e.to_string()) }
     };
     let payments = measure("payments", plan, send).await;
     let replays = measure("replays", plan, send).await;
@@ -105,10 +99,7 @@ pub async fn run(plan: &BenchPlan, floor: &Floor) -> Report {
 
 /// The irreducible work of one payment, with none of keyfence's logic.
 async fn floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, String> {
-    let key = ScopedKey::new(
-        client,
-        IdempotencyKey::parse(&format!("floor-{i}")).map_err(|e| e.to_string())?,
-    );
+    let key = ScopedKey::new(client, IdempotencyKey::parse(&format!("floor-{i}")).map_err(|e| e.to_string())?);
     let now = Millis::now();
     let claim = Claim {
         key: key.clone(),
@@ -117,18 +108,12 @@ async fn floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, St
         payment_id: Uuid::now_v7(),
         owner: Owner::attempt_of("bench"),
         home_region: "bench".into(),
-        lease: Lease {
-            now,
-            length: Duration::from_secs(10),
-        },
+        lease: Lease { now, length: Duration::from_secs(10) },
     };
     let item = floor.keys.claim(&claim).await.map_err(|e| e.to_string())?;
     for _ in 0..3 {
         let mut tx = floor.ledger.pool().begin().await.map_err(|e| e.to_string())?;
-        sqlx::query("SELECT pg_current_xact_id()")
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| e.to_string())?;
+        sqlx::query("SELECT pg_current_xact_id()").execute(&mut *tx).await.map_err(|e| e.to_string())?;
         tx.commit().await.map_err(|e| e.to_string())?;
     }
     let instruction = Instruction {
@@ -145,20 +130,9 @@ async fn floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, St
             return Err(why);
         }
     }
-    let response = StoredResponse {
-        status: 201,
-        headers: BTreeMap::new(),
-        body: b"{}".to_vec(),
-    };
-    let finish = Finish {
-        response,
-        expires_at: now.plus(Duration::from_secs(3600)),
-    };
-    floor
-        .keys
-        .finish(&key, item.fence, &finish)
-        .await
-        .map_err(|e| e.to_string())?;
+    let response = StoredResponse { status: 201, headers: BTreeMap::new(), body: b"{}".to_vec() };
+    let finish = Finish { response, expires_at: now.plus(Duration::from_secs(3600)) };
+    floor.keys.finish(&key, item.fence, &finish).await.map_err(|e| e.to_string())?;
     Ok(200)
 }
 
@@ -232,10 +206,7 @@ impl Report {
     /// A table for people.
     pub fn table(&self) -> String {
         let mut out = format!("{} requests at concurrency {}\n", self.requests, self.concurrency);
-        out += &format!(
-            "{:<9} {:>9} {:>9} {:>9} {:>8}  statuses\n",
-            "", "req/s", "p50 ms", "p99 ms", "failed"
-        );
+        out += &format!("{:<9} {:>9} {:>9} {:>9} {:>8}  statuses\n", "", "req/s", "p50 ms", "p99 ms", "failed");
         for f in [&self.payments, &self.replays, &self.floor] {
             out += &format!(
                 "{:<9} {:>9.1} {:>9.2} {:>9.2} {:>8}  {:?}\n",

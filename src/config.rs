@@ -83,16 +83,12 @@ impl DatabaseUrl {
 
     /// The database this URL names (PostgreSQL's default: the user's name).
     pub fn database(&self) -> &str {
-        self.options
-            .get_database()
-            .unwrap_or_else(|| self.options.get_username())
+        self.options.get_database().unwrap_or_else(|| self.options.get_username())
     }
 
     /// The same server and credentials, another database.
     pub fn with_database(&self, name: &str) -> Self {
-        Self {
-            options: self.options.clone().database(name),
-        }
+        Self { options: self.options.clone().database(name) }
     }
 }
 
@@ -100,9 +96,7 @@ impl FromStr for DatabaseUrl {
     type Err = String;
 
     fn from_str(url: &str) -> Result<Self, Self::Err> {
-        let options = url
-            .parse::<PgConnectOptions>()
-            .map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
+        let options = url.parse::<PgConnectOptions>().map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
         Ok(Self { options })
     }
 }
@@ -110,14 +104,7 @@ impl FromStr for DatabaseUrl {
 impl fmt::Display for DatabaseUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.options;
-        write!(
-            f,
-            "postgres://{}@{}:{}/{}",
-            o.get_username(),
-            o.get_host(),
-            o.get_port(),
-            self.database()
-        )
+        write!(f, "postgres://{}@{}:{}/{}", o.get_username(), o.get_host(), o.get_port(), self.database())
     }
 }
 
@@ -129,9 +116,7 @@ impl fmt::Debug for DatabaseUrl {
 
 fn parse_table_name(name: &str) -> Result<String, String> {
     let valid = (3..=255).contains(&name.len())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
     if valid {
         Ok(name.to_owned())
     } else {
@@ -196,6 +181,13 @@ pub struct ServeSettings {
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,
+    /// How often the recovery worker looks for stale requests, in milliseconds (0: never).
+    #[arg(long = "recovery-interval-ms", env = "KEYFENCE_RECOVERY_INTERVAL_MS", default_value_t = 5000)]
+    pub recovery_interval_ms: u64,
+    /// Attempts with an unknown external outcome before a request is marked indeterminate.
+    #[arg(long = "max-unknown-attempts", env = "KEYFENCE_MAX_UNKNOWN_ATTEMPTS", default_value_t = 5,
+          value_parser = clap::value_parser!(i32).range(1..))]
+    pub max_unknown_attempts: i32,
     /// How long finished keys are kept (and replayed), in hours.
     #[arg(long = "retention-hours", env = "KEYFENCE_RETENTION_HOURS", default_value_t = 72,
           value_parser = clap::value_parser!(u64).range(1..))]

@@ -21,9 +21,14 @@ pub mod bench;
 pub mod config;
 pub mod domain;
 pub mod engine;
+pub mod failpoint;
 pub mod http;
 pub mod keystore;
 pub mod ledger;
 pub mod rail;
+pub mod recovery;
 pub mod startup;
 pub mod telemetry;
+
+#[cfg(all(feature = "failpoints", not(debug_assertions)))]
+compile_error!("the failpoints feature lets the environment crash the process: test builds only");

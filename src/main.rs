@@ -11,7 +11,7 @@ use keyfence::keystore::{self, DynamoKeyStore, TableChange};
 use keyfence::ledger::Ledger;
 use keyfence::rail::RailClient;
 use keyfence::startup::{Application, shutdown_signal};
-use keyfence::{bench, rail, startup, telemetry};
+use keyfence::{bench, rail, recovery, startup, telemetry};
 
 #[derive(Parser)]
 #[command(name = "keyfence", version, about = "Exactly-once payment requests across regions")]
@@ -31,8 +31,19 @@ enum Command {
     Clients(ClientsCommand),
     /// Run a rail simulator standing in for an external system (E1 or E2).
     RailSim(RailSimArgs),
+    /// Resume every stale in-flight request once, then report (the worker inside `serve` does this on an interval).
+    Recover(Box<RecoverArgs>),
     /// Measure a running front door against the floor of its store and rail calls.
     Bench(Box<BenchArgs>),
+}
+
+#[derive(Args)]
+struct RecoverArgs {
+    /// Print the report as JSON instead of a summary.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    serve: ServeSettings,
 }
 
 #[derive(Args)]
@@ -91,23 +102,48 @@ struct RailSimArgs {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     telemetry::init();
+    #[cfg(feature = "failpoints")]
+    let _failpoints = keyfence::failpoint::from_env();
     match Cli::parse().command {
         Command::Serve(settings) => serve(*settings).await,
         Command::Migrate(args) => migrate(args).await,
         Command::Clients(ClientsCommand::Add { name, ledger, json }) => add_client(&name, &ledger, json).await,
         Command::RailSim(args) => rail_sim(args).await,
         Command::Bench(args) => bench(*args).await,
+        Command::Recover(args) => recover(*args).await,
     }
+}
+
+async fn recover(args: RecoverArgs) -> anyhow::Result<()> {
+    let engine = startup::build_engine(&args.serve).await.context("connecting to the stores")?;
+    let progress = indicatif::ProgressBar::new_spinner().with_message("scanning the in-flight index");
+    progress.enable_steady_tick(std::time::Duration::from_millis(120));
+    let report = recovery::sweep(
+        &engine,
+        |found| {
+            progress.set_style(
+                indicatif::ProgressStyle::with_template("resuming [{bar:40}] {pos}/{len} {per_sec}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            progress.set_length(found as u64);
+        },
+        || progress.inc(1),
+    )
+    .await;
+    progress.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.summary());
+    }
+    if report.failed.is_empty() { Ok(()) } else { anyhow::bail!("{} key(s) could not be resumed", report.failed.len()) }
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let s = &args.serve;
     let ledger = Ledger::connect(&s.ledger).await.context("connecting to the ledger")?;
     let api_key = ApiKey::generate();
-    ledger
-        .create_client("bench", &api_key)
-        .await
-        .context("creating the bench client")?;
+    ledger.create_client("bench", &api_key).await.context("creating the bench client")?;
     let floor = bench::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
         ledger,
@@ -132,26 +168,20 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
 
 async fn serve(settings: ServeSettings) -> anyhow::Result<()> {
     let app = Application::build(&settings).await.context("starting the front door")?;
-    tracing::info!(addr = %app.local_addr()?, region = %settings.region, "keyfence serving");
+    let addr = app.local_addr()?;
+    tracing::info!(%addr, region = %settings.region, "keyfence serving");
+    println!("keyfence: listening on http://{addr}");
     app.run_until_stopped(shutdown_signal()).await?;
     tracing::info!("keyfence stopped");
     Ok(())
 }
 
 async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow::Result<()> {
-    let ledger = Ledger::connect(settings)
-        .await
-        .with_context(|| format!("connecting to {}", settings.database_url))?;
+    let ledger = Ledger::connect(settings).await.with_context(|| format!("connecting to {}", settings.database_url))?;
     let key = ApiKey::generate();
-    let id = ledger
-        .create_client(name, &key)
-        .await
-        .context("creating the client (has `keyfence migrate` run?)")?;
+    let id = ledger.create_client(name, &key).await.context("creating the client (has `keyfence migrate` run?)")?;
     if json {
-        println!(
-            "{}",
-            serde_json::json!({ "client_id": id.to_string(), "api_key": key.reveal() })
-        );
+        println!("{}", serde_json::json!({ "client_id": id.to_string(), "api_key": key.reveal() }));
     } else {
         println!("client {name}: {id}");
         println!("api key (shown only now): {}", key.reveal());
@@ -160,21 +190,17 @@ async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow
 }
 
 async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     tracing::info!(addr = %listener.local_addr()?, name = %args.name, "rail simulator serving");
     rail::sim::serve(listener, &args.name, shutdown_signal()).await?;
     Ok(())
 }
 
 async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
-    let done = startup::migrate(&args.keys, &args.ledger).await.with_context(|| {
-        format!(
-            "migrating table {} and ledger {}",
-            args.keys.table, args.ledger.database_url
-        )
-    })?;
+    let done = startup::migrate(&args.keys, &args.ledger)
+        .await
+        .with_context(|| format!("migrating table {} and ledger {}", args.keys.table, args.ledger.database_url))?;
     let table = match done.table {
         TableChange::Created => "created",
         TableChange::AlreadyThere => "already there",
@@ -195,11 +221,7 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         println!(
             "ledger {}: {}{} migration(s) applied, schema version {}",
             args.ledger.database_url,
-            if done.ledger.database_created {
-                "database created, "
-            } else {
-                ""
-            },
+            if done.ledger.database_created { "database created, " } else { "" },
             done.ledger.applied.len(),
             done.ledger.version.map_or_else(|| "none".to_owned(), |v| v.to_string()),
         );

@@ -17,6 +17,7 @@ use crate::http::{AppState, router};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
+use crate::recovery;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
@@ -44,44 +45,42 @@ pub async fn migrate(keys: &KeyStoreSettings, ledger: &LedgerSettings) -> Result
     Ok(Migrated { table, ledger })
 }
 
+/// The engine over the configured stores and rails.
+pub async fn build_engine(settings: &ServeSettings) -> Result<Engine<DynamoKeyStore>, StartupError> {
+    let keys = DynamoKeyStore::new(keystore::connect(&settings.keys).await, settings.keys.table.clone());
+    let ledger = Ledger::connect(&settings.ledger).await?;
+    let rails = Rails {
+        screening: RailClient::new(&settings.e1_url, settings.rail_timeout),
+        payment: RailClient::new(&settings.e2_url, settings.rail_timeout),
+    };
+    let engine_settings = EngineSettings {
+        region: settings.region.clone(),
+        instance: settings.instance.clone(),
+        lease: settings.lease,
+        retention: Duration::from_secs(settings.retention_hours * 3600),
+        max_unknown_attempts: settings.max_unknown_attempts,
+    };
+    Ok(Engine::new(keys, ledger, rails, engine_settings))
+}
+
 /// The front door, built and bound, not yet serving.
 pub struct Application {
     listener: TcpListener,
     router: Router,
+    engine: Arc<Engine<DynamoKeyStore>>,
+    /// `None`: no recovery worker in this process.
+    recovery_interval: Option<Duration>,
 }
 
 impl Application {
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
-        let keys = DynamoKeyStore::new(keystore::connect(&settings.keys).await, settings.keys.table.clone());
-        let ledger = Ledger::connect(&settings.ledger).await?;
-        let rails = Rails {
-            screening: RailClient::new(&settings.e1_url, settings.rail_timeout),
-            payment: RailClient::new(&settings.e2_url, settings.rail_timeout),
-        };
-        let engine = Engine::new(
-            keys,
-            ledger,
-            rails,
-            EngineSettings {
-                region: settings.region.clone(),
-                instance: settings.instance.clone(),
-                lease: settings.lease,
-                retention: Duration::from_secs(settings.retention_hours * 3600),
-            },
-        );
-        let state = AppState {
-            engine: Arc::new(engine),
-        };
+        let engine = Arc::new(build_engine(settings).await?);
+        let state = AppState { engine: engine.clone() };
         let listener = TcpListener::bind(settings.listen)
             .await
-            .map_err(|source| StartupError::Listen {
-                addr: settings.listen,
-                source,
-            })?;
-        Ok(Self {
-            listener,
-            router: router(state, settings.body_limit),
-        })
+            .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
+        let recovery_interval = Some(Duration::from_millis(settings.recovery_interval_ms)).filter(|d| !d.is_zero());
+        Ok(Self { listener, router: router(state, settings.body_limit), engine, recovery_interval })
     }
 
     /// Where it listens (useful when bound to port 0).
@@ -89,11 +88,23 @@ impl Application {
         self.listener.local_addr()
     }
 
-    /// Serves until `shutdown` resolves, then finishes in-flight requests.
+    /// Serves (and runs the recovery worker) until `shutdown` resolves,
+    /// then finishes in-flight requests.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-        axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(shutdown)
-            .await
+        let (stop, stopped) = tokio::sync::watch::channel(());
+        let worker = self
+            .recovery_interval
+            .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped)));
+        let served = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                drop(stop);
+            })
+            .await;
+        if let Some(worker) = worker {
+            let _ = worker.await;
+        }
+        served
     }
 }
 

@@ -52,12 +52,7 @@ mod tests {
 
     #[test]
     fn accepts_uuids_and_simple_references() {
-        for raw in [
-            "8e0f7a4c-5b1d-4f8e-9a52-3f0c2f1e9b77",
-            "order-123",
-            "a",
-            "batch:7.row_9",
-        ] {
+        for raw in ["8e0f7a4c-5b1d-4f8e-9a52-3f0c2f1e9b77", "order-123", "a", "batch:7.row_9"] {
             assert_eq!(IdempotencyKey::parse(raw).unwrap().as_str(), raw);
         }
         assert!(IdempotencyKey::parse(&"k".repeat(MAX_LEN)).is_ok());
@@ -66,10 +61,7 @@ mod tests {
     #[test]
     fn rejects_empty_long_and_foreign_characters() {
         assert_eq!(IdempotencyKey::parse(""), Err(InvalidKey::Empty));
-        assert_eq!(
-            IdempotencyKey::parse(&"k".repeat(MAX_LEN + 1)),
-            Err(InvalidKey::TooLong)
-        );
+        assert_eq!(IdempotencyKey::parse(&"k".repeat(MAX_LEN + 1)), Err(InvalidKey::TooLong));
         for raw in ["a b", "a#b", "ключ", "a/b", "a\n", "' OR 1=1"] {
             assert_eq!(IdempotencyKey::parse(raw), Err(InvalidKey::BadCharacter), "{raw:?}");
         }

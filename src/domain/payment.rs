@@ -34,12 +34,8 @@ const MAX_AMOUNT_MINOR: i64 = 1_000_000_000_000_000;
 impl PaymentRequest {
     /// Parses a JSON value (already known to be well-formed JSON).
     pub fn parse(value: serde_json::Value) -> Result<Self, Vec<FieldError>> {
-        let request: PaymentRequest = serde_json::from_value(value).map_err(|e| {
-            vec![FieldError {
-                field: "body",
-                message: e.to_string(),
-            }]
-        })?;
+        let request: PaymentRequest =
+            serde_json::from_value(value).map_err(|e| vec![FieldError { field: "body", message: e.to_string() }])?;
         let errors = request.field_errors();
         if errors.is_empty() { Ok(request) } else { Err(errors) }
     }
@@ -48,10 +44,7 @@ impl PaymentRequest {
         let mut errors = Vec::new();
         let mut check = |ok: bool, field: &'static str, message: &str| {
             if !ok {
-                errors.push(FieldError {
-                    field,
-                    message: message.to_owned(),
-                });
+                errors.push(FieldError { field, message: message.to_owned() });
             }
         };
         check(
@@ -59,11 +52,7 @@ impl PaymentRequest {
             "amount_minor",
             "must be a whole number of minor units, greater than 0 and at most 10^15",
         );
-        check(
-            is_currency(&self.currency),
-            "currency",
-            "must be an ISO 4217 currency code such as EUR",
-        );
+        check(is_currency(&self.currency), "currency", "must be an ISO 4217 currency code such as EUR");
         check(
             is_account(&self.debtor_account),
             "debtor_account",
@@ -134,21 +123,13 @@ mod tests {
         v["amount_minor"] = json!(0);
         v["currency"] = json!("EURO");
         v["end_to_end_id"] = json!("x".repeat(36));
-        let fields: Vec<_> = PaymentRequest::parse(v)
-            .unwrap_err()
-            .into_iter()
-            .map(|e| e.field)
-            .collect();
+        let fields: Vec<_> = PaymentRequest::parse(v).unwrap_err().into_iter().map(|e| e.field).collect();
         assert_eq!(fields, ["amount_minor", "currency", "end_to_end_id"]);
     }
 
     #[test]
     fn rejects_wrong_types_unknown_fields_and_fractions() {
-        for (field, bad) in [
-            ("amount_minor", json!(12.5)),
-            ("amount_minor", json!("1250")),
-            ("surprise", json!(1)),
-        ] {
+        for (field, bad) in [("amount_minor", json!(12.5)), ("amount_minor", json!("1250")), ("surprise", json!(1))] {
             let mut v = valid();
             v[field] = bad;
             assert!(PaymentRequest::parse(v).is_err(), "{field}");

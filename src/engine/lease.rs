@@ -40,9 +40,7 @@ impl Attempt {
         let now = Millis::now();
         let left = self.lease_until.get().saturating_sub(now.get());
         if u128::from(left) * 3 < length.as_millis() * 2 {
-            self.lease_until = keys
-                .heartbeat(&self.record.key, self.fence, Lease { now, length })
-                .await?;
+            self.lease_until = keys.heartbeat(&self.record.key, self.fence, Lease { now, length }).await?;
         }
         Ok(())
     }

@@ -13,6 +13,7 @@ mod error;
 mod lease;
 mod operation;
 mod payment;
+mod recover;
 mod run;
 mod submit;
 
@@ -28,6 +29,7 @@ pub use derived_key::derived_key;
 pub use error::EngineError;
 pub use operation::{ExternalStep, Operation, Rail, Step, StepContext};
 pub use payment::PaymentOperation;
+pub use recover::Recovery;
 pub use submit::Submission;
 
 /// The external systems an operation can call.
@@ -58,6 +60,9 @@ pub struct EngineSettings {
     pub lease: Duration,
     /// How long a finished key is kept (its DynamoDB time-to-live).
     pub retention: Duration,
+    /// After this many attempts with an unknown outcome, a request is
+    /// marked indeterminate and listed for settlement (it is still probed).
+    pub max_unknown_attempts: i32,
 }
 
 /// The engine, over any key store (DynamoDB in the service).
@@ -84,12 +89,7 @@ pub enum Answer {
 
 impl<K> Engine<K> {
     pub fn new(keys: K, ledger: Ledger, rails: Rails, settings: EngineSettings) -> Self {
-        Self {
-            keys,
-            ledger,
-            rails,
-            settings,
-        }
+        Self { keys, ledger, rails, settings }
     }
 
     pub fn keys(&self) -> &K {

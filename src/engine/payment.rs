@@ -53,28 +53,19 @@ impl PaymentOperation {
         Self { payment }
     }
 
+    /// Rebuilds the operation from the canonical request kept with the key.
+    pub fn from_canonical(request: &[u8]) -> Result<Self, EngineError> {
+        let value = serde_json::from_slice(request).map_err(|e| EngineError::Fault(format!("stored request: {e}")))?;
+        let payment = PaymentRequest::parse(value)
+            .map_err(|errors| EngineError::Fault(format!("stored request no longer valid: {errors:?}")))?;
+        Ok(Self::new(payment))
+    }
+
     /// Moves the amount from one account to another as one balanced entry.
     async fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) -> Result<(), EngineError> {
         let amount = self.payment.amount_minor;
-        let legs = [
-            Leg {
-                account: from,
-                amount_minor: -amount,
-            },
-            Leg {
-                account: to,
-                amount_minor: amount,
-            },
-        ];
-        payments::post(
-            cx.conn,
-            cx.request.payment_id,
-            entry,
-            &self.payment.currency,
-            &legs,
-            cx.fence,
-        )
-        .await?;
+        let legs = [Leg { account: from, amount_minor: -amount }, Leg { account: to, amount_minor: amount }];
+        payments::post(cx.conn, cx.request.payment_id, entry, &self.payment.currency, &legs, cx.fence).await?;
         Ok(())
     }
 
@@ -84,21 +75,8 @@ impl PaymentOperation {
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
         let rail = rail_result(cx.conn, cx.request, "ext2").await?;
-        self.transfer(
-            cx,
-            "settle",
-            CLEARING,
-            &format!("creditor:{}", self.payment.creditor_account),
-        )
-        .await?;
-        payments::set_status(
-            cx.conn,
-            cx.request.payment_id,
-            "succeeded",
-            Some(&rail.reference),
-            cx.fence,
-        )
-        .await?;
+        self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account)).await?;
+        payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
         let payment = payments::payment(cx.conn, cx.request.payment_id)
             .await?
             .ok_or_else(|| EngineError::Fault("the payment row vanished".into()))?;

@@ -11,6 +11,7 @@
 //! definite refusal hands the key back (503). Neither is a final answer.
 
 use crate::domain::{Millis, RecoveryPoint};
+use crate::failpoint;
 use crate::keystore::{Finish, KeyStore, KeyStoreError, Release};
 use crate::ledger::external;
 use crate::rail::{Applied, CallOutcome, ProbeOutcome};
@@ -55,9 +56,7 @@ fn position<'s>(steps: &'s [Step], at: &RecoveryPoint) -> Result<Position<'s>, E
             _ => {}
         }
     }
-    Err(EngineError::Fault(format!(
-        "recovery point {at} is not a step of this operation"
-    )))
+    Err(EngineError::Fault(format!("recovery point {at} is not a step of this operation")))
 }
 
 /// The work of the next transaction, starting at step `from`.
@@ -132,32 +131,21 @@ impl<K: KeyStore> Engine<K> {
         outcome: Option<Applied>,
     ) -> Result<(), EngineError> {
         let Some(last) = work.last() else {
-            return Err(EngineError::Fault(
-                "an operation must end with its FINISHED step".into(),
-            ));
+            return Err(EngineError::Fault("an operation must end with its FINISHED step".into()));
         };
         let to = last.point().clone();
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
-        let mut phase = self
-            .ledger
-            .begin_phase(&attempt.record, attempt.fence, &attempt.at, &to)
-            .await?;
+        let mut phase = self.ledger.begin_phase(&attempt.record, attempt.fence, &attempt.at, &to).await?;
         for item in work {
             phase.record_point(&attempt.record, item.point()).await?;
             match item {
                 Work::Outcome(ext) => {
-                    let applied = outcome
-                        .as_ref()
-                        .ok_or_else(|| EngineError::Fault("outcome missing".into()))?;
+                    let applied = outcome.as_ref().ok_or_else(|| EngineError::Fault("outcome missing".into()))?;
                     let result = serde_json::to_value(applied).map_err(|e| EngineError::Fault(e.to_string()))?;
                     external::record_outcome(phase.conn(), &attempt.record, ext.name, &result, attempt.fence).await?;
                 }
                 Work::Local(point) => {
-                    let mut cx = StepContext {
-                        conn: phase.conn(),
-                        request: &attempt.record,
-                        fence: attempt.fence,
-                    };
+                    let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence: attempt.fence };
                     if let Some(answer) = op.local(point, &mut cx).await? {
                         phase.store_answer(&attempt.record, &answer).await?;
                     }
@@ -168,7 +156,9 @@ impl<K: KeyStore> Engine<K> {
                 }
             }
         }
+        failpoint::boundary(|| format!("before-commit:{to}"));
         attempt.at = phase.commit().await?;
+        failpoint::boundary(|| format!("after-commit:{to}"));
         Ok(())
     }
 
@@ -182,11 +172,13 @@ impl<K: KeyStore> Engine<K> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = derived_key(&attempt.record.key, ext.name).simple().to_string();
         match self.rails.get(ext.rail).send(&key, &op.instruction(ext)).await {
-            CallOutcome::Applied(applied) => Ok(Settled::Applied(applied)),
-            CallOutcome::NotApplied(why) => Err(EngineError::Transient(format!(
-                "{} refused the instruction: {why}",
-                ext.name
-            ))),
+            CallOutcome::Applied(applied) => {
+                failpoint::boundary(|| format!("after-call:{}", ext.name));
+                Ok(Settled::Applied(applied))
+            }
+            CallOutcome::NotApplied(why) => {
+                Err(EngineError::Transient(format!("{} refused the instruction: {why}", ext.name)))
+            }
             CallOutcome::Unknown(why) => self.park(attempt, ext, &why).await,
         }
     }
@@ -212,16 +204,11 @@ impl<K: KeyStore> Engine<K> {
     /// resume. The request stays at `sent`: never reported as failed.
     async fn park(&self, attempt: &mut Attempt, ext: &ExternalStep, why: &str) -> Result<Settled, EngineError> {
         tracing::warn!(key = %attempt.record.key, step = ext.name, why, "external outcome unknown; parking the request");
-        let mut phase = self
-            .ledger
-            .begin_phase(&attempt.record, attempt.fence, &attempt.at, &attempt.at)
-            .await?;
+        let mut phase = self.ledger.begin_phase(&attempt.record, attempt.fence, &attempt.at, &attempt.at).await?;
         external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, attempt.fence).await?;
         phase.commit().await?;
         self.hand_back(attempt).await;
-        Ok(Settled::Parked(Answer::Pending {
-            payment_id: attempt.record.payment_id,
-        }))
+        Ok(Settled::Parked(Answer::Pending { payment_id: attempt.record.payment_id }))
     }
 
     /// Copies the ledger's final answer into the key store.
@@ -229,17 +216,11 @@ impl<K: KeyStore> Engine<K> {
         let response = self.ledger.answer(&attempt.record).await?.ok_or_else(|| {
             EngineError::Fault(format!("{} is finished but has no stored answer", attempt.record.key))
         })?;
-        let finish = Finish {
-            response: response.clone(),
-            expires_at: Millis::now().plus(self.settings.retention),
-        };
+        let finish = Finish { response: response.clone(), expires_at: Millis::now().plus(self.settings.retention) };
         match self.keys.finish(&attempt.record.key, attempt.fence, &finish).await {
             // Fenced out after our ledger commit: the new owner publishes the
             // same stored answer, so this one is already the final answer.
-            Ok(_) | Err(KeyStoreError::FencedOut(_)) => Ok(Answer::Final {
-                response,
-                replayed: false,
-            }),
+            Ok(_) | Err(KeyStoreError::FencedOut(_)) => Ok(Answer::Final { response, replayed: false }),
             Err(e) => Err(e.into()),
         }
     }
@@ -247,11 +228,7 @@ impl<K: KeyStore> Engine<K> {
     /// Gives the key back after a failure: forgotten if nothing was ever
     /// committed, else reopened so the next actor resumes at once.
     async fn hand_back(&self, attempt: &Attempt) {
-        let how = if attempt.at == RecoveryPoint::STARTED {
-            Release::Forget
-        } else {
-            Release::Reopen
-        };
+        let how = if attempt.at == RecoveryPoint::STARTED { Release::Forget } else { Release::Reopen };
         if let Err(e) = self.keys.release(&attempt.record.key, attempt.fence, how).await {
             tracing::warn!(key = %attempt.record.key, error = %e, "could not hand the key back; its lease will expire");
         }

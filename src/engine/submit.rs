@@ -14,6 +14,7 @@ use crate::keystore::{Claim, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
 use super::lease::Attempt;
 use super::{Answer, Engine, EngineError, Operation};
 use crate::domain::RecoveryPoint;
+use crate::failpoint;
 
 /// A request as the engine receives it.
 pub struct Submission<O> {
@@ -36,23 +37,18 @@ impl<K: KeyStore> Engine<K> {
             payment_id: Uuid::now_v7(),
             owner: Owner::attempt_of(&self.settings.instance),
             home_region: self.settings.region.clone(),
-            lease: Lease {
-                now,
-                length: self.settings.lease,
-            },
+            lease: Lease { now, length: self.settings.lease },
         };
         match self.keys.claim(&claim).await {
             Ok(item) => {
+                failpoint::boundary(|| "after-claim".to_owned());
                 let mut attempt = Attempt::new(&item, submission.operation.name(), RecoveryPoint::STARTED);
                 self.drive(&submission.operation, &mut attempt).await
             }
             Err(KeyStoreError::Taken(Some(existing))) => {
-                self.on_existing(&submission.operation, &existing, &submission.request_hash, now)
-                    .await
+                self.on_existing(&submission.operation, &existing, &submission.request_hash, now).await
             }
-            Err(KeyStoreError::Taken(None)) => Ok(Answer::InFlight {
-                retry_after: Duration::from_secs(1),
-            }),
+            Err(KeyStoreError::Taken(None)) => Ok(Answer::InFlight { retry_after: Duration::from_secs(1) }),
             Err(e) => Err(e.into()),
         }
     }
@@ -72,29 +68,28 @@ impl<K: KeyStore> Engine<K> {
                 .response
                 .clone()
                 .ok_or_else(|| EngineError::Fault(format!("{} is finished without an answer", existing.key)))?;
-            return Ok(Answer::Final {
-                response,
-                replayed: true,
-            });
+            return Ok(Answer::Final { response, replayed: true });
         }
-        let in_flight = Answer::InFlight {
-            retry_after: retry_after(existing, now),
-        };
+        let in_flight = Answer::InFlight { retry_after: retry_after(existing, now) };
         if existing.home_region != self.settings.region || existing.lease_until >= now {
             return Ok(in_flight);
         }
         let owner = Owner::attempt_of(&self.settings.instance);
-        let lease = Lease {
-            now,
-            length: self.settings.lease,
-        };
+        let lease = Lease { now, length: self.settings.lease };
         let item = match self.keys.take_over(&existing.key, existing.fence, &owner, lease).await {
             Ok(item) => item,
             Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
             Err(e) => return Err(e.into()),
         };
-        tracing::info!(key = %item.key, fence = %item.fence, "took over a stale request");
-        let mut attempt = Attempt::new(&item, op.name(), RecoveryPoint::STARTED);
+        tracing::info!(key = %item.key, fence = %item.fence, "a retry took over a stale request");
+        self.resume(op, &item).await
+    }
+
+    /// Works a request this instance has just taken over: stamps its fence on
+    /// the ledger (from then on the old owner's writes are refused) and
+    /// carries on from the recovery point found there.
+    pub(super) async fn resume<O: Operation>(&self, op: &O, item: &KeyItem) -> Result<Answer, EngineError> {
+        let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED);
         attempt.at = self.ledger.adopt(&attempt.record, item.fence).await?;
         self.drive(op, &mut attempt).await
     }

@@ -35,22 +35,13 @@ impl FromRequestParts<AppState> for Caller {
 /// The request's Idempotency-Key, validated.
 pub fn idempotency_key(headers: &HeaderMap) -> Result<IdempotencyKey, ApiError> {
     let raw = headers.get("idempotency-key").ok_or(ApiError::MissingKey)?;
-    let raw = raw
-        .to_str()
-        .map_err(|_| ApiError::InvalidKey(crate::domain::InvalidKey::BadCharacter))?;
+    let raw = raw.to_str().map_err(|_| ApiError::InvalidKey(crate::domain::InvalidKey::BadCharacter))?;
     IdempotencyKey::parse(raw).map_err(ApiError::InvalidKey)
 }
 
 /// Refuses a body that is not declared as JSON.
 pub fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
-    let declared = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
+    let declared = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let essence = declared.split(';').next().unwrap_or("").trim();
-    if essence.eq_ignore_ascii_case("application/json") {
-        Ok(())
-    } else {
-        Err(ApiError::WrongContentType)
-    }
+    if essence.eq_ignore_ascii_case("application/json") { Ok(()) } else { Err(ApiError::WrongContentType) }
 }

@@ -27,10 +27,7 @@ pub struct AppState {
 /// The service's routes; bodies over `body_limit` bytes are refused (413).
 pub fn router(state: AppState, body_limit: usize) -> Router {
     Router::new()
-        .route(
-            "/v1/payments",
-            axum::routing::post(payments::create).get(payments::by_reference),
-        )
+        .route("/v1/payments", axum::routing::post(payments::create).get(payments::by_reference))
         .route("/v1/payments/{id}", get(payments::show))
         .route("/v1/idempotency-keys/{key}", get(keys::show))
         .route("/healthz", get(|| async { "ok" }))

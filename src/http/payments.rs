@@ -56,9 +56,7 @@ fn respond(answer: Answer) -> Result<Response, ApiError> {
                 reply.headers_mut().insert(name, value);
             }
             if replayed {
-                reply
-                    .headers_mut()
-                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+                reply.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
             }
             Ok(reply)
         }
@@ -78,12 +76,7 @@ pub async fn show(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound)?;
-    let payment = state
-        .engine
-        .ledger()
-        .payment_of(client, id)
-        .await
-        .map_err(crate::engine::EngineError::from)?;
+    let payment = state.engine.ledger().payment_of(client, id).await.map_err(crate::engine::EngineError::from)?;
     payment.map(|p| Json(p).into_response()).ok_or(ApiError::NotFound)
 }
 

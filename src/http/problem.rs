@@ -33,12 +33,8 @@ impl From<EngineError> for ApiError {
         match e {
             // Another attempt owns the request now; the client's retry will
             // find it in flight or finished.
-            EngineError::FencedOut => ApiError::InFlight {
-                retry_after: Duration::from_secs(1),
-            },
-            EngineError::Transient(_) => ApiError::Unavailable {
-                retry_after: Duration::from_secs(1),
-            },
+            EngineError::FencedOut => ApiError::InFlight { retry_after: Duration::from_secs(1) },
+            EngineError::Transient(_) => ApiError::Unavailable { retry_after: Duration::from_secs(1) },
             EngineError::Fault(why) => ApiError::Internal(why),
         }
     }
@@ -55,13 +51,9 @@ impl IntoResponse for ApiError {
                     .to_owned(),
                 None,
             ),
-            ApiError::InvalidKey(why) => (
-                StatusCode::BAD_REQUEST,
-                "invalid-idempotency-key",
-                "Invalid Idempotency-Key",
-                why.to_string(),
-                None,
-            ),
+            ApiError::InvalidKey(why) => {
+                (StatusCode::BAD_REQUEST, "invalid-idempotency-key", "Invalid Idempotency-Key", why.to_string(), None)
+            }
             ApiError::WrongContentType => (
                 StatusCode::BAD_REQUEST,
                 "wrong-content-type",
@@ -69,13 +61,9 @@ impl IntoResponse for ApiError {
                 "The body must be JSON, sent with Content-Type: application/json.".to_owned(),
                 None,
             ),
-            ApiError::MalformedJson(why) => (
-                StatusCode::BAD_REQUEST,
-                "malformed-json",
-                "Malformed JSON",
-                why.clone(),
-                None,
-            ),
+            ApiError::MalformedJson(why) => {
+                (StatusCode::BAD_REQUEST, "malformed-json", "Malformed JSON", why.clone(), None)
+            }
             ApiError::InvalidFields(errors) => (
                 StatusCode::BAD_REQUEST,
                 "invalid-fields",
@@ -104,13 +92,9 @@ impl IntoResponse for ApiError {
                 "Send Authorization: Bearer <api key>.".to_owned(),
                 None,
             ),
-            ApiError::NotFound => (
-                StatusCode::NOT_FOUND,
-                "not-found",
-                "Not found",
-                "No such resource for this client.".to_owned(),
-                None,
-            ),
+            ApiError::NotFound => {
+                (StatusCode::NOT_FOUND, "not-found", "Not found", "No such resource for this client.".to_owned(), None)
+            }
             ApiError::InFlight { .. } => (
                 StatusCode::CONFLICT,
                 "request-in-flight",
@@ -156,10 +140,7 @@ impl IntoResponse for ApiError {
         }
         let mut response = (status, body.to_string()).into_response();
         let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         if let ApiError::InFlight { retry_after } | ApiError::Unavailable { retry_after } = self {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
         }

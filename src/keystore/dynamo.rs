@@ -18,8 +18,8 @@ use aws_sdk_dynamodb::operation::put_item::PutItemError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
 
-use super::item::{attr, decode, encode, encode_response, n, s};
-use super::{Claim, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release};
+use super::item::{attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
+use super::{Claim, Finish, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey};
 use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 
@@ -61,10 +61,7 @@ pub struct DynamoKeyStore {
 
 impl DynamoKeyStore {
     pub fn new(client: Client, table: impl Into<String>) -> Self {
-        Self {
-            client,
-            table: table.into(),
-        }
+        Self { client, table: table.into() }
     }
 
     pub fn client(&self) -> &Client {
@@ -82,15 +79,10 @@ impl DynamoKeyStore {
 
 /// Names used in every condition; `state` and `owner` are reserved words.
 fn names() -> HashMap<String, String> {
-    [
-        ("#state", attr::STATE),
-        ("#fence", attr::FENCE),
-        ("#lease", attr::LEASE_UNTIL),
-        ("#owner", attr::OWNER),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect()
+    [("#state", attr::STATE), ("#fence", attr::FENCE), ("#lease", attr::LEASE_UNTIL), ("#owner", attr::OWNER)]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
 }
 
 const OWNED_AND_STARTED: &str = "#fence = :mine AND #state = :started";
@@ -155,11 +147,7 @@ impl KeyStore for DynamoKeyStore {
                 let current = decode(&current)?;
                 let ours =
                     current.owner == *owner && current.fence == seen.next() && current.state == KeyState::Started;
-                if ours {
-                    Ok(current)
-                } else {
-                    Err(KeyStoreError::Taken(Some(Box::new(current))))
-                }
+                if ours { Ok(current) } else { Err(KeyStoreError::Taken(Some(Box::new(current)))) }
             }
             Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
             Err(Failure::Store(e)) => Err(e),
@@ -190,10 +178,8 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence))]
     async fn finish(&self, key: &ScopedKey, fence: Fence, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
-        let mut values: Attrs = encode_response(&finish.response)
-            .into_iter()
-            .map(|(name, value)| (format!(":{name}"), value))
-            .collect();
+        let mut values: Attrs =
+            encode_response(&finish.response).into_iter().map(|(name, value)| (format!(":{name}"), value)).collect();
         values.insert(":finished".into(), s(KeyState::Finished.as_str()));
         values.insert(":expires".into(), n(finish.expires_at.as_secs()));
         values.insert(":mine".into(), n(fence.get()));
@@ -289,15 +275,41 @@ impl KeyStore for DynamoKeyStore {
             .map_err(|e| store_error(&e))?;
         out.item().map(decode).transpose()
     }
+
+    #[tracing::instrument(skip(self))]
+    async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
+        let mut stale = Vec::new();
+        let mut start = None;
+        loop {
+            let page = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(INFLIGHT_INDEX)
+                .key_condition_expression("#inflight = :shard AND #lease < :now")
+                .expression_attribute_names("#inflight", attr::INFLIGHT)
+                .expression_attribute_names("#lease", attr::LEASE_UNTIL)
+                .expression_attribute_values(":shard", s(shard_name(shard)))
+                .expression_attribute_values(":now", n(now.get()))
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .map_err(|e| store_error(&e))?;
+            for entry in page.items() {
+                stale.push(decode_stale(entry)?);
+            }
+            start = page.last_evaluated_key().cloned();
+            if start.is_none() {
+                return Ok(stale);
+            }
+        }
+    }
 }
 
 /// DynamoDB rejects expression attribute names that the expression does not
 /// use, so operations with fewer placeholders pass only theirs.
 fn names_for(used: &[&str]) -> HashMap<String, String> {
-    names()
-        .into_iter()
-        .filter(|(k, _)| used.contains(&k.as_str()))
-        .collect()
+    names().into_iter().filter(|(k, _)| used.contains(&k.as_str())).collect()
 }
 
 /// A failed request: either its condition did not hold (with the item as it
@@ -310,9 +322,9 @@ enum Failure {
 /// For fenced writes a failed condition means someone else owns the key now.
 fn fenced_out(failure: Failure) -> Result<KeyStoreError, KeyStoreError> {
     match failure {
-        Failure::Condition(current) => Ok(KeyStoreError::FencedOut(
-            current.map(|c| decode(&c)).transpose()?.map(Box::new),
-        )),
+        Failure::Condition(current) => {
+            Ok(KeyStoreError::FencedOut(current.map(|c| decode(&c)).transpose()?.map(Box::new)))
+        }
         Failure::Store(e) => Err(e),
     }
 }

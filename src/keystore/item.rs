@@ -37,6 +37,17 @@ pub(super) mod attr {
     pub const INFLIGHT: &str = "inflight";
 }
 
+/// A started item whose lease has run out, as the in-flight index shows it.
+/// The index is eventually consistent: the item may have moved on since, so
+/// a recoverer acts on it only through `take_over` with this fence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StaleKey {
+    pub key: ScopedKey,
+    pub fence: Fence,
+    pub home_region: String,
+    pub lease_until: Millis,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeyState {
     Started,
@@ -95,10 +106,26 @@ impl KeyItem {
 /// The in-flight GSI partition of a partition key (FNV-1a, stable forever:
 /// changing it would strand started items in shards nobody queries).
 pub fn inflight_shard(pk: &str) -> String {
-    let hash = pk.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    format!("inflight#{:02}", hash % INFLIGHT_SHARDS)
+    let hash =
+        pk.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+    shard_name(hash % INFLIGHT_SHARDS)
+}
+
+/// The `inflight` value of shard `i` (0 to [`INFLIGHT_SHARDS`] - 1).
+pub fn shard_name(i: u64) -> String {
+    format!("inflight#{i:02}")
+}
+
+/// Decodes an in-flight index entry (only the projected attributes).
+pub(super) fn decode_stale(attrs: &HashMap<String, AttributeValue>) -> Result<StaleKey, KeyStoreError> {
+    let client: ClientId = get_s(attrs, attr::CLIENT_ID)?.parse().map_err(|e| malformed(attr::CLIENT_ID, e))?;
+    let key = IdempotencyKey::parse(get_s(attrs, attr::KEY)?).map_err(|e| malformed(attr::KEY, e))?;
+    Ok(StaleKey {
+        key: ScopedKey::new(client, key),
+        fence: Fence::new(get_n(attrs, attr::FENCE)?),
+        home_region: get_s(attrs, attr::HOME_REGION)?.to_owned(),
+        lease_until: Millis::new(get_n(attrs, attr::LEASE_UNTIL)?),
+    })
 }
 
 pub(super) fn n(value: u64) -> AttributeValue {
@@ -144,11 +171,7 @@ pub(super) fn encode(item: &KeyItem) -> HashMap<String, AttributeValue> {
 }
 
 pub(super) fn encode_response(response: &StoredResponse) -> [(String, AttributeValue); 3] {
-    let headers = response
-        .headers
-        .iter()
-        .map(|(k, v)| (k.clone(), s(v.as_str())))
-        .collect();
+    let headers = response.headers.iter().map(|(k, v)| (k.clone(), s(v.as_str()))).collect();
     [
         (attr::RESPONSE_STATUS.to_owned(), n(u64::from(response.status))),
         (attr::RESPONSE_HEADERS.to_owned(), AttributeValue::M(headers)),
@@ -158,9 +181,7 @@ pub(super) fn encode_response(response: &StoredResponse) -> [(String, AttributeV
 
 /// Decodes an item read back from the table.
 pub(super) fn decode(attrs: &HashMap<String, AttributeValue>) -> Result<KeyItem, KeyStoreError> {
-    let client: ClientId = get_s(attrs, attr::CLIENT_ID)?
-        .parse()
-        .map_err(|e| malformed(attr::CLIENT_ID, e))?;
+    let client: ClientId = get_s(attrs, attr::CLIENT_ID)?.parse().map_err(|e| malformed(attr::CLIENT_ID, e))?;
     let key = IdempotencyKey::parse(get_s(attrs, attr::KEY)?).map_err(|e| malformed(attr::KEY, e))?;
     let state = match get_s(attrs, attr::STATE)? {
         "started" => KeyState::Started,
@@ -186,14 +207,9 @@ pub(super) fn decode(attrs: &HashMap<String, AttributeValue>) -> Result<KeyItem,
         owner: Owner::from_stored(get_s(attrs, attr::OWNER)?.to_owned()),
         home_region: get_s(attrs, attr::HOME_REGION)?.to_owned(),
         created_at: Millis::new(get_n(attrs, attr::CREATED_AT)?),
-        payment_id: get_s(attrs, attr::PAYMENT_ID)?
-            .parse()
-            .map_err(|e| malformed(attr::PAYMENT_ID, e))?,
+        payment_id: get_s(attrs, attr::PAYMENT_ID)?.parse().map_err(|e| malformed(attr::PAYMENT_ID, e))?,
         response,
-        expires_at: attrs
-            .get(attr::EXPIRES_AT)
-            .map(|_| get_n(attrs, attr::EXPIRES_AT))
-            .transpose()?,
+        expires_at: attrs.get(attr::EXPIRES_AT).map(|_| get_n(attrs, attr::EXPIRES_AT)).transpose()?,
     })
 }
 
@@ -201,9 +217,7 @@ fn decode_headers(attrs: &HashMap<String, AttributeValue>) -> Result<BTreeMap<St
     let Some(value) = attrs.get(attr::RESPONSE_HEADERS) else {
         return Ok(BTreeMap::new());
     };
-    let map = value
-        .as_m()
-        .map_err(|_| malformed(attr::RESPONSE_HEADERS, "not a map"))?;
+    let map = value.as_m().map_err(|_| malformed(attr::RESPONSE_HEADERS, "not a map"))?;
     map.iter()
         .map(|(k, v)| match v.as_s() {
             Ok(v) => Ok((k.clone(), v.clone())),

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use super::{Claim, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release};
+use super::{
+    Claim, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey, inflight_shard, shard_name,
+};
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 
 #[derive(Debug, Default)]
@@ -63,11 +65,7 @@ impl KeyStore for MemoryKeyStore {
                 item.lease_until = lease.until();
                 item.owner = owner.clone();
             }
-            if stale || ours {
-                Ok(item.clone())
-            } else {
-                Err(KeyStoreError::Taken(Some(Box::new(item.clone()))))
-            }
+            if stale || ours { Ok(item.clone()) } else { Err(KeyStoreError::Taken(Some(Box::new(item.clone())))) }
         })
     }
 
@@ -115,5 +113,22 @@ impl KeyStore for MemoryKeyStore {
 
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         Ok(self.with_items(|items| items.get(&key.partition_key()).cloned()))
+    }
+
+    async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
+        Ok(self.with_items(|items| {
+            items
+                .iter()
+                .filter(|(pk, item)| {
+                    item.state == KeyState::Started && item.lease_until < now && inflight_shard(pk) == shard_name(shard)
+                })
+                .map(|(_, item)| StaleKey {
+                    key: item.key.clone(),
+                    fence: item.fence,
+                    home_region: item.home_region.clone(),
+                    lease_until: item.lease_until,
+                })
+                .collect()
+        }))
     }
 }

@@ -25,7 +25,7 @@ use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse
 
 pub use dynamo::{DynamoKeyStore, connect};
 pub use error::KeyStoreError;
-pub use item::{KeyItem, KeyState};
+pub use item::{INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};
 pub use memory::MemoryKeyStore;
 pub use table::{INFLIGHT_INDEX, TableChange, delete_table, ensure_table};
 
@@ -123,4 +123,11 @@ pub trait KeyStore: Send + Sync {
 
     /// A strongly consistent read of the item.
     fn get(&self, key: &ScopedKey) -> impl Future<Output = Result<Option<KeyItem>, KeyStoreError>> + Send;
+
+    /// Started items in in-flight shard `shard` whose lease ended before `now`.
+    fn stale_in_flight(
+        &self,
+        shard: u64,
+        now: Millis,
+    ) -> impl Future<Output = Result<Vec<StaleKey>, KeyStoreError>> + Send;
 }

@@ -53,12 +53,7 @@ pub async fn delete_table(client: &Client, table: &str) -> Result<(), KeyStoreEr
 
 async fn create(client: &Client, table: &str) -> Result<(), KeyStoreError> {
     let key = |name: &str, kind| KeySchemaElement::builder().attribute_name(name).key_type(kind).build();
-    let def = |name: &str, kind| {
-        AttributeDefinition::builder()
-            .attribute_name(name)
-            .attribute_type(kind)
-            .build()
-    };
+    let def = |name: &str, kind| AttributeDefinition::builder().attribute_name(name).attribute_type(kind).build();
     let projection = Projection::builder()
         .projection_type(ProjectionType::Include)
         .set_non_key_attributes(Some(
@@ -109,34 +104,18 @@ async fn wait_active(client: &Client, table: &str) -> Result<(), KeyStoreError> 
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Err(KeyStoreError::Unavailable(format!(
-        "table {table} did not become active within a minute"
-    )))
+    Err(KeyStoreError::Unavailable(format!("table {table} did not become active within a minute")))
 }
 
 async fn enable_ttl(client: &Client, table: &str) -> Result<(), KeyStoreError> {
-    let out = client
-        .describe_time_to_live()
-        .table_name(table)
-        .send()
-        .await
-        .map_err(fault)?;
+    let out = client.describe_time_to_live().table_name(table).send().await.map_err(fault)?;
     let status = out.time_to_live_description().and_then(|d| d.time_to_live_status());
     if matches!(status, Some(TimeToLiveStatus::Enabled | TimeToLiveStatus::Enabling)) {
         return Ok(());
     }
-    let spec = TimeToLiveSpecification::builder()
-        .attribute_name(attr::EXPIRES_AT)
-        .enabled(true)
-        .build()
-        .map_err(fault)?;
-    client
-        .update_time_to_live()
-        .table_name(table)
-        .time_to_live_specification(spec)
-        .send()
-        .await
-        .map_err(fault)?;
+    let spec =
+        TimeToLiveSpecification::builder().attribute_name(attr::EXPIRES_AT).enabled(true).build().map_err(fault)?;
+    client.update_time_to_live().table_name(table).time_to_live_specification(spec).send().await.map_err(fault)?;
     Ok(())
 }
 

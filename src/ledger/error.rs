@@ -11,10 +11,7 @@ pub enum LedgerError {
     /// The request is not at the recovery point this phase starts from: the
     /// phase already committed (it must not run twice) or an earlier one has not.
     #[error("the request is at {found:?}, not at {expected} where this phase starts")]
-    OutOfOrder {
-        expected: RecoveryPoint,
-        found: Option<RecoveryPoint>,
-    },
+    OutOfOrder { expected: RecoveryPoint, found: Option<RecoveryPoint> },
     #[error("ledger database error: {0}")]
     Database(#[from] sqlx::Error),
     #[error("ledger migration failed: {0}")]

@@ -54,25 +54,80 @@ pub async fn record_outcome(
     Ok(())
 }
 
-/// Counts one more attempt at `step` whose outcome is still unknown.
+/// Counts one more attempt at `step` whose outcome is still unknown;
+/// returns how many attempts there have been.
 pub async fn record_unknown_attempt(
     conn: &mut PgConnection,
     request: &RequestRecord,
     step: &str,
     fence: Fence,
-) -> Result<(), LedgerError> {
-    sqlx::query(
+) -> Result<i32, LedgerError> {
+    Ok(sqlx::query_scalar(
         "UPDATE external_calls SET outcome = 'unknown', attempts = attempts + 1, fence = $5, last_attempt_at = now()
-          WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
+          WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4
+         RETURNING attempts",
     )
     .bind(request.key.client.as_uuid())
     .bind(request.key.key.as_str())
     .bind(timestamp(request.created_at))
     .bind(step)
     .bind(fence_param(fence))
-    .execute(conn)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// Gives up guessing: the outcome of `step` is indeterminate until the
+/// external system answers or settlement against its statement decides.
+pub async fn mark_indeterminate(
+    conn: &mut PgConnection,
+    request: &RequestRecord,
+    step: &str,
+    fence: Fence,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "UPDATE external_calls SET outcome = 'indeterminate'
+          WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
+    )
+    .bind(request.key.client.as_uuid())
+    .bind(request.key.key.as_str())
+    .bind(timestamp(request.created_at))
+    .bind(step)
+    .execute(&mut *conn)
     .await?;
+    sqlx::query("UPDATE payments SET status = 'indeterminate', fence = $2, updated_at = now() WHERE id = $1")
+        .bind(request.payment_id)
+        .bind(fence_param(fence))
+        .execute(conn)
+        .await?;
     Ok(())
+}
+
+/// An external call whose outcome stayed unknown, listed for settlement.
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct Indeterminate {
+    pub client_id: uuid::Uuid,
+    pub idem_key: String,
+    pub payment_id: uuid::Uuid,
+    pub step: String,
+    pub derived_key: uuid::Uuid,
+    pub attempts: i32,
+    #[serde(with = "time::serde::rfc3339")]
+    pub last_attempt_at: time::OffsetDateTime,
+}
+
+impl super::Ledger {
+    /// Every external call currently marked indeterminate, oldest first.
+    pub async fn indeterminate(&self) -> Result<Vec<Indeterminate>, LedgerError> {
+        Ok(sqlx::query_as(
+            "SELECT c.client_id, c.idem_key, r.payment_id, c.step, c.derived_key, c.attempts, c.last_attempt_at
+               FROM external_calls c
+               JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
+              WHERE c.outcome = 'indeterminate'
+              ORDER BY c.last_attempt_at",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
 }
 
 /// The recorded result of `step`, once its outcome is known.

@@ -44,10 +44,8 @@ impl Ledger {
 
     /// Connects a pool to the configured database.
     pub async fn connect(settings: &LedgerSettings) -> Result<Self, LedgerError> {
-        let pool = PgPoolOptions::new()
-            .max_connections(20)
-            .connect_with(settings.database_url.options().clone())
-            .await?;
+        let pool =
+            PgPoolOptions::new().max_connections(20).connect_with(settings.database_url.options().clone()).await?;
         Ok(Self::new(pool))
     }
 
@@ -60,11 +58,7 @@ impl Ledger {
         MIGRATOR.run(&ledger.pool).await?;
         let after = ledger.applied_versions().await?;
         let applied = after.iter().copied().filter(|v| !before.contains(v)).collect();
-        let report = MigrationReport {
-            database_created,
-            applied,
-            version: after.last().copied(),
-        };
+        let report = MigrationReport { database_created, applied, version: after.last().copied() };
         Ok((ledger, report))
     }
 
@@ -73,27 +67,22 @@ impl Ledger {
     }
 
     async fn applied_versions(&self) -> Result<Vec<i64>, LedgerError> {
-        let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-            .fetch_one(&self.pool)
-            .await?;
+        let exists: bool =
+            sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&self.pool).await?;
         if !exists {
             return Ok(Vec::new());
         }
-        Ok(
-            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
-                .fetch_all(&self.pool)
-                .await?,
-        )
+        Ok(sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
+            .fetch_all(&self.pool)
+            .await?)
     }
 }
 
 /// Creates the configured database unless it exists; true if it created it.
 async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError> {
     let url = &settings.database_url;
-    let admin = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(url.with_database("postgres").options().clone())
-        .await?;
+    let admin =
+        PgPoolOptions::new().max_connections(1).connect_with(url.with_database("postgres").options().clone()).await?;
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
         .bind(url.database())
         .fetch_one(&admin)

@@ -117,10 +117,7 @@ pub async fn set_status(
 /// A payment read inside a phase (for building the final answer).
 pub async fn payment(conn: &mut PgConnection, id: Uuid) -> Result<Option<Payment>, LedgerError> {
     let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1");
-    Ok(sqlx::query_as(sqlx::AssertSqlSafe(query))
-        .bind(id)
-        .fetch_optional(conn)
-        .await?)
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(query)).bind(id).fetch_optional(conn).await?)
 }
 
 impl Ledger {

@@ -176,22 +176,14 @@ impl Ledger {
             .await?
         };
         match moved {
-            Some(_) => Ok(Phase {
-                tx,
-                fence,
-                to: to.clone(),
-            }),
+            Some(_) => Ok(Phase { tx, fence, to: to.clone() }),
             None => Err(refusal(&mut tx, request, fence, from).await?),
         }
     }
 }
 
 /// The answer columns of a request row, all null until it finishes.
-type AnswerRow = (
-    Option<i32>,
-    Option<sqlx::types::Json<BTreeMap<String, String>>>,
-    Option<Vec<u8>>,
-);
+type AnswerRow = (Option<i32>, Option<sqlx::types::Json<BTreeMap<String, String>>>, Option<Vec<u8>>);
 
 impl Ledger {
     /// The final answer stored for a finished request.
@@ -206,11 +198,9 @@ impl Ledger {
         .fetch_optional(&self.pool)
         .await?;
         Ok(match row {
-            Some((Some(status), Some(headers), Some(body))) => Some(StoredResponse {
-                status: u16::try_from(status).unwrap_or(500),
-                headers: headers.0,
-                body,
-            }),
+            Some((Some(status), Some(headers), Some(body))) => {
+                Some(StoredResponse { status: u16::try_from(status).unwrap_or(500), headers: headers.0, body })
+            }
             _ => None,
         })
     }
@@ -234,17 +224,11 @@ async fn refusal(
     .await?;
     let current = row
         .map(|row| -> Result<_, sqlx::Error> {
-            Ok((
-                Fence::new(row.try_get::<i64, _>(0)?.unsigned_abs()),
-                RecoveryPoint::from_stored(row.try_get(1)?),
-            ))
+            Ok((Fence::new(row.try_get::<i64, _>(0)?.unsigned_abs()), RecoveryPoint::from_stored(row.try_get(1)?)))
         })
         .transpose()?;
     Ok(match current {
         Some((current, _)) if current > fence => LedgerError::FencedOut { mine: fence, current },
-        found => LedgerError::OutOfOrder {
-            expected: expected.clone(),
-            found: found.map(|(_, point)| point),
-        },
+        found => LedgerError::OutOfOrder { expected: expected.clone(), found: found.map(|(_, point)| point) },
     })
 }

@@ -43,11 +43,7 @@ impl RailClient {
             .connect_timeout(timeout)
             .build()
             .expect("an HTTP client with default TLS settings");
-        Self {
-            http,
-            base: base.trim_end_matches('/').to_owned(),
-            retries: 2,
-        }
+        Self { http, base: base.trim_end_matches('/').to_owned(), retries: 2 }
     }
 
     pub fn base(&self) -> &str {
@@ -64,9 +60,8 @@ impl RailClient {
                 settled => Ok(settled),
             }
         };
-        let backoff = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(50))
-            .with_max_times(self.retries);
+        let backoff =
+            ExponentialBuilder::default().with_min_delay(Duration::from_millis(50)).with_max_times(self.retries);
         attempt.retry(backoff).await.unwrap_or_else(CallOutcome::NotApplied)
     }
 
@@ -100,12 +95,7 @@ impl RailClient {
     /// Asks what became of the instruction sent under `key`.
     #[tracing::instrument(skip(self), fields(rail = %self.base))]
     pub async fn probe(&self, key: &str) -> ProbeOutcome {
-        let response = match self
-            .http
-            .get(format!("{}/v1/instructions/{key}", self.base))
-            .send()
-            .await
-        {
+        let response = match self.http.get(format!("{}/v1/instructions/{key}", self.base)).send().await {
             Ok(r) => r,
             Err(e) => return ProbeOutcome::Unknown(e.to_string()),
         };

@@ -62,11 +62,7 @@ pub struct Simulator {
 
 impl Simulator {
     pub fn new(name: &str) -> Arc<Self> {
-        Arc::new(Self {
-            name: name.to_owned(),
-            book: Mutex::default(),
-            faults: Mutex::default(),
-        })
+        Arc::new(Self { name: name.to_owned(), book: Mutex::default(), faults: Mutex::default() })
     }
 
     fn book(&self) -> MutexGuard<'_, Book> {
@@ -85,11 +81,7 @@ impl Simulator {
     fn apply(&self, key: &str, instruction: Instruction) -> Result<(Applied, bool), Instruction> {
         let mut book = self.book();
         if let Some((first, applied)) = book.by_key.get(key) {
-            return if *first == instruction {
-                Ok((applied.clone(), false))
-            } else {
-                Err(first.clone())
-            };
+            return if *first == instruction { Ok((applied.clone(), false)) } else { Err(first.clone()) };
         }
         let applied = Applied {
             idempotency_key: key.to_owned(),
@@ -121,11 +113,7 @@ async fn instruct(
     headers: HeaderMap,
     Json(instruction): Json<Instruction>,
 ) -> Response {
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .filter(|k| !k.is_empty())
-    else {
+    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).filter(|k| !k.is_empty()) else {
         return (StatusCode::BAD_REQUEST, "Idempotency-Key is required").into_response();
     };
     let faults = sim.faults();
@@ -144,10 +132,7 @@ async fn instruct(
         }
         Err(first) => (
             StatusCode::UNPROCESSABLE_ENTITY,
-            format!(
-                "key {key} was used for another instruction (end_to_end_id {})",
-                first.end_to_end_id
-            ),
+            format!("key {key} was used for another instruction (end_to_end_id {})", first.end_to_end_id),
         )
             .into_response(),
     }
@@ -191,7 +176,5 @@ pub async fn serve(
     name: &str,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(Simulator::new(name)))
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(listener, router(Simulator::new(name))).with_graceful_shutdown(shutdown).await
 }

@@ -36,30 +36,17 @@ impl TestRail {
 
     /// Every instruction the rail applied, in order.
     pub async fn statement(&self) -> Vec<Applied> {
-        reqwest::get(format!("{}/v1/statement", self.url))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        reqwest::get(format!("{}/v1/statement", self.url)).await.unwrap().json().await.unwrap()
     }
 
     pub async fn set_faults(&self, faults: Value) {
-        let response = reqwest::Client::new()
-            .put(format!("{}/v1/faults", self.url))
-            .json(&faults)
-            .send()
-            .await
-            .unwrap();
+        let response =
+            reqwest::Client::new().put(format!("{}/v1/faults", self.url)).json(&faults).send().await.unwrap();
         assert!(response.status().is_success(), "setting faults: {}", response.status());
     }
 
     pub async fn clear_faults(&self) {
-        reqwest::Client::new()
-            .delete(format!("{}/v1/faults", self.url))
-            .send()
-            .await
-            .unwrap();
+        reqwest::Client::new().delete(format!("{}/v1/faults", self.url)).send().await.unwrap();
     }
 }
 
@@ -95,6 +82,8 @@ pub async fn spawn_app_with(adjust: impl FnOnce(&mut ServeSettings)) -> TestApp 
         lease: Duration::from_secs(10),
         rail_timeout: Duration::from_secs(2),
         body_limit: 16 * 1024,
+        recovery_interval_ms: 0,
+        max_unknown_attempts: 5,
         retention_hours: 72,
     };
     adjust(&mut settings);
@@ -137,23 +126,34 @@ impl TestApp {
     }
 
     pub async fn pay_as(&self, api_key: &str, key: &str, body: &Value) -> reqwest::Response {
+        self.try_pay_at(&self.url, api_key, key, body).await.expect("the service answers")
+    }
+
+    /// POSTs a payment to the front door at `url`; an error if no answer came.
+    pub async fn try_pay_at(
+        &self,
+        url: &str,
+        api_key: &str,
+        key: &str,
+        body: &Value,
+    ) -> reqwest::Result<reqwest::Response> {
         self.http
-            .post(format!("{}/v1/payments", self.url))
+            .post(format!("{url}/v1/payments"))
             .bearer_auth(api_key)
             .header("Idempotency-Key", key)
             .json(body)
             .send()
             .await
-            .expect("the service answers")
     }
 
     pub async fn get_as(&self, api_key: &str, path: &str) -> reqwest::Response {
-        self.http
-            .get(format!("{}{path}", self.url))
-            .bearer_auth(api_key)
-            .send()
-            .await
-            .unwrap()
+        self.http.get(format!("{}{path}", self.url)).bearer_auth(api_key).send().await.unwrap()
+    }
+
+    /// The client this app's API key belongs to.
+    pub async fn client_id(&self) -> keyfence::domain::ClientId {
+        let key = ApiKey::presented(&self.api_key);
+        self.db.ledger.client_by_key(&key).await.unwrap().expect("the test client exists")
     }
 
     /// A second client of the same service.
@@ -184,15 +184,7 @@ impl TestApp {
 
     /// Items in the key table.
     pub async fn key_items(&self) -> usize {
-        let out = self
-            .keys
-            .store
-            .client()
-            .scan()
-            .table_name(self.keys.store.table())
-            .send()
-            .await
-            .unwrap();
+        let out = self.keys.store.client().scan().table_name(self.keys.store.table()).send().await.unwrap();
         out.items().len()
     }
 }

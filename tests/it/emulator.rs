@@ -30,20 +30,13 @@ async fn conditional_transactions_on_one_item_commit_once() {
                 .condition_expression("attribute_not_exists(pk)")
                 .build()
                 .unwrap();
-            client
-                .transact_write_items()
-                .transact_items(TransactWriteItem::builder().put(put).build())
-                .send()
+            client.transact_write_items().transact_items(TransactWriteItem::builder().put(put).build()).send()
         });
         let results = join_all(attempts).await;
         let committed = results.iter().filter(|r| r.is_ok()).count();
         for err in results.iter().filter_map(|r| r.as_ref().err()) {
             let code = aws_sdk_dynamodb::error::ProvideErrorMetadata::code(err);
-            assert_eq!(
-                code,
-                Some("TransactionCanceledException"),
-                "unexpected failure: {err:?}"
-            );
+            assert_eq!(code, Some("TransactionCanceledException"), "unexpected failure: {err:?}");
         }
         assert_eq!(committed, 1, "round {round}: {committed} transactions committed");
     }
@@ -54,23 +47,10 @@ async fn acknowledged_writes_beside_transactions_are_never_lost() {
     let keys = TestKeys::new().await;
     let client = keys.store.client();
     let table = keys.store.table();
-    let plain = (0..300).map(|i| {
-        client
-            .put_item()
-            .table_name(table)
-            .item("pk", s(format!("plain#{i}")))
-            .send()
-    });
+    let plain = (0..300).map(|i| client.put_item().table_name(table).item("pk", s(format!("plain#{i}"))).send());
     let txns = (0..300).map(|i| {
-        let put = Put::builder()
-            .table_name(table)
-            .item("pk", s(format!("txn#{i}")))
-            .build()
-            .unwrap();
-        client
-            .transact_write_items()
-            .transact_items(TransactWriteItem::builder().put(put).build())
-            .send()
+        let put = Put::builder().table_name(table).item("pk", s(format!("txn#{i}"))).build().unwrap();
+        client.transact_write_items().transact_items(TransactWriteItem::builder().put(put).build()).send()
     });
     let (plain, txns) = futures::join!(join_all(plain), join_all(txns));
     let acknowledged = plain.iter().filter(|r| r.is_ok()).count() + txns.iter().filter(|r| r.is_ok()).count();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
 use keyfence::engine::{Answer, Engine, EngineSettings, PaymentOperation, Rails, Submission};
-use keyfence::keystore::{Claim, Finish, KeyItem, KeyStore, KeyStoreError, Lease, Release};
+use keyfence::keystore::{Claim, Finish, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
 use keyfence::rail::RailClient;
 
 use crate::app::{TestRail, payment};
@@ -61,6 +61,10 @@ impl<K: KeyStore> KeyStore for Counting<K> {
         self.note("get");
         self.inner.get(key).await
     }
+    async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
+        self.note("stale_in_flight");
+        self.inner.stale_in_flight(shard, now).await
+    }
 }
 
 #[tokio::test]
@@ -68,10 +72,7 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
     let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
-    let counting = Counting {
-        inner: keys.store.clone(),
-        calls: Mutex::default(),
-    };
+    let counting = Counting { inner: keys.store.clone(), calls: Mutex::default() };
     let rails = Rails {
         screening: RailClient::new(&e1.url, Duration::from_secs(2)),
         payment: RailClient::new(&e2.url, Duration::from_secs(2)),
@@ -81,6 +82,7 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
         instance: "test".into(),
         lease: Duration::from_secs(30),
         retention: Duration::from_secs(3600),
+        max_unknown_attempts: 5,
     };
     let engine = Engine::new(counting, db.ledger.clone(), rails, settings);
     let client = fresh_key().client;
@@ -100,17 +102,9 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
     assert!(matches!(&replay, Answer::Final { replayed: true, .. }), "{replay:?}");
     assert_eq!(engine.keys().take(), BTreeMap::from([("claim", 1)]));
 
-    let ledger_transactions: i64 = sqlx::query_scalar("SELECT count(DISTINCT ran_at) FROM phase_runs")
-        .fetch_one(db.ledger.pool())
-        .await
-        .unwrap();
-    assert_eq!(
-        ledger_transactions, 3,
-        "three ledger transactions for the whole payment"
-    );
-    let points: i64 = sqlx::query_scalar("SELECT count(*) FROM phase_runs")
-        .fetch_one(db.ledger.pool())
-        .await
-        .unwrap();
+    let ledger_transactions: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT ran_at) FROM phase_runs").fetch_one(db.ledger.pool()).await.unwrap();
+    assert_eq!(ledger_transactions, 3, "three ledger transactions for the whole payment");
+    let points: i64 = sqlx::query_scalar("SELECT count(*) FROM phase_runs").fetch_one(db.ledger.pool()).await.unwrap();
     assert_eq!(points, 7, "every recovery point was still recorded");
 }

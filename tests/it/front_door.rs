@@ -52,16 +52,9 @@ async fn concurrent_identical_posts_take_effect_once() {
         }
     }
     assert_eq!(created.len() + in_flight, SAME_KEY_RACERS);
-    assert_eq!(
-        created.iter().filter(|(replayed, _)| !replayed).count(),
-        1,
-        "exactly one fresh 201"
-    );
+    assert_eq!(created.iter().filter(|(replayed, _)| !replayed).count(), 1, "exactly one fresh 201");
     let first = &created[0].1;
-    assert!(
-        created.iter().all(|(_, body)| body == first),
-        "every 201 body is byte-identical"
-    );
+    assert!(created.iter().all(|(_, body)| body == first), "every 201 body is byte-identical");
     assert_one_effect(&app).await;
 
     let again = app.pay("race-key", &body).await;
@@ -125,11 +118,7 @@ async fn keys_and_payments_are_scoped_to_their_client() {
 
     let mine: Value = app.pay("shared-key", &body).await.json().await.unwrap();
     let theirs = app.pay_as(&other_key, "shared-key", &body).await;
-    assert_eq!(
-        theirs.status(),
-        StatusCode::CREATED,
-        "the same key string is another client's own key"
-    );
+    assert_eq!(theirs.status(), StatusCode::CREATED, "the same key string is another client's own key");
     assert!(theirs.headers().get("idempotent-replayed").is_none());
     let theirs: Value = theirs.json().await.unwrap();
     assert_ne!(mine["id"], theirs["id"]);
@@ -139,43 +128,19 @@ async fn keys_and_payments_are_scoped_to_their_client() {
     let mine_path = format!("/v1/payments/{}", mine["id"].as_str().unwrap());
     assert_eq!(app.get_as(&app.api_key, &mine_path).await.status(), StatusCode::OK);
     let probe = app.get_as(&other_key, &mine_path).await;
-    assert_eq!(
-        probe.status(),
-        StatusCode::NOT_FOUND,
-        "another client's payment is not found"
-    );
-    let unknown = app
-        .get_as(&app.api_key, "/v1/payments/00000000-0000-0000-0000-000000000000")
-        .await;
+    assert_eq!(probe.status(), StatusCode::NOT_FOUND, "another client's payment is not found");
+    let unknown = app.get_as(&app.api_key, "/v1/payments/00000000-0000-0000-0000-000000000000").await;
     assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
 
-    let key_view: Value = app
-        .get_as(&app.api_key, "/v1/idempotency-keys/shared-key")
-        .await
-        .json()
-        .await
-        .unwrap();
+    let key_view: Value = app.get_as(&app.api_key, "/v1/idempotency-keys/shared-key").await.json().await.unwrap();
     assert_eq!(key_view["state"], "finished");
     assert_eq!(key_view["payment_id"], mine["id"]);
     let (_, third_key) = app.add_client().await;
     let hidden = app.get_as(&third_key, "/v1/idempotency-keys/shared-key").await;
-    assert_eq!(
-        hidden.status(),
-        StatusCode::NOT_FOUND,
-        "a key this client never used is not found"
-    );
+    assert_eq!(hidden.status(), StatusCode::NOT_FOUND, "a key this client never used is not found");
 
-    let listed: Value = app
-        .get_as(&app.api_key, "/v1/payments?end_to_end_id=E2E-SHARED")
-        .await
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(
-        listed["data"].as_array().unwrap().len(),
-        1,
-        "only the caller's own payments are listed"
-    );
+    let listed: Value = app.get_as(&app.api_key, "/v1/payments?end_to_end_id=E2E-SHARED").await.json().await.unwrap();
+    assert_eq!(listed["data"].as_array().unwrap().len(), 1, "only the caller's own payments are listed");
     assert_eq!(listed["data"][0]["id"], mine["id"]);
 }
 
@@ -201,56 +166,16 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() {
     let mut unknown_field = payment("E2E-BAD");
     unknown_field["priority"] = json!("urgent");
     let cases = [
-        (
-            "missing key",
-            post(None, me, json, valid.clone()).await,
-            StatusCode::BAD_REQUEST,
-        ),
-        (
-            "key too long",
-            post(Some(&"k".repeat(256)), me, json, valid.clone()).await,
-            StatusCode::BAD_REQUEST,
-        ),
-        (
-            "key charset",
-            post(Some("key with spaces"), me, json, valid.clone()).await,
-            StatusCode::BAD_REQUEST,
-        ),
-        (
-            "malformed JSON",
-            post(Some("k"), me, json, "{\"amount_minor\": ".into()).await,
-            StatusCode::BAD_REQUEST,
-        ),
-        (
-            "wrong content type",
-            post(Some("k"), me, "text/plain", valid.clone()).await,
-            StatusCode::BAD_REQUEST,
-        ),
-        (
-            "invalid field",
-            post(Some("k"), me, json, invalid_amount.to_string()).await,
-            StatusCode::BAD_REQUEST,
-        ),
-        (
-            "unknown field",
-            post(Some("k"), me, json, unknown_field.to_string()).await,
-            StatusCode::BAD_REQUEST,
-        ),
-        (
-            "no credentials",
-            post(Some("k"), None, json, valid.clone()).await,
-            StatusCode::UNAUTHORIZED,
-        ),
-        (
-            "unknown credentials",
-            post(Some("k"), Some("kf_nope"), json, valid.clone()).await,
-            StatusCode::UNAUTHORIZED,
-        ),
-        (
-            "body too large",
-            post(Some("k"), me, json, " ".repeat(4096) + &valid).await,
-            StatusCode::PAYLOAD_TOO_LARGE,
-        ),
+        ("missing key", post(None, me, json, valid.clone()).await, StatusCode::BAD_REQUEST),
+        ("key too long", post(Some(&"k".repeat(256)), me, json, valid.clone()).await, StatusCode::BAD_REQUEST),
+        ("key charset", post(Some("key with spaces"), me, json, valid.clone()).await, StatusCode::BAD_REQUEST),
+        ("malformed JSON", post(Some("k"), me, json, "{\"amount_minor\": ".into()).await, StatusCode::BAD_REQUEST),
+        ("wrong content type", post(Some("k"), me, "text/plain", valid.clone()).await, StatusCode::BAD_REQUEST),
+        ("invalid field", post(Some("k"), me, json, invalid_amount.to_string()).await, StatusCode::BAD_REQUEST),
+        ("unknown field", post(Some("k"), me, json, unknown_field.to_string()).await, StatusCode::BAD_REQUEST),
+        ("no credentials", post(Some("k"), None, json, valid.clone()).await, StatusCode::UNAUTHORIZED),
+        ("unknown credentials", post(Some("k"), Some("kf_nope"), json, valid.clone()).await, StatusCode::UNAUTHORIZED),
+        ("body too large", post(Some("k"), me, json, " ".repeat(4096) + &valid).await, StatusCode::PAYLOAD_TOO_LARGE),
     ];
     for (case, response, expected) in cases {
         let response = response.unwrap_or_else(|e| panic!("{case}: no answer: {e}"));
@@ -258,22 +183,13 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() {
         assert_eq!(response.headers()["content-type"], "application/problem+json", "{case}");
         let problem: Value = response.json().await.unwrap();
         assert_eq!(problem["status"], expected.as_u16(), "{case}");
-        assert!(
-            problem["detail"].as_str().is_some_and(|d| !d.is_empty()),
-            "{case}: a detail says what is wrong"
-        );
+        assert!(problem["detail"].as_str().is_some_and(|d| !d.is_empty()), "{case}: a detail says what is wrong");
     }
     assert_eq!(app.key_items().await, 0, "nothing in the key store");
     assert_eq!(app.count("requests").await, 0, "nothing in the ledger");
     assert_eq!(app.count("payments").await, 0);
-    assert!(
-        app.e1.statement().await.is_empty() && app.e2.statement().await.is_empty(),
-        "nothing at the rails"
-    );
+    assert!(app.e1.statement().await.is_empty() && app.e2.statement().await.is_empty(), "nothing at the rails");
 
     // The same key, now with a valid request, works normally.
-    assert_eq!(
-        post(Some("k"), me, json, valid).await.unwrap().status(),
-        StatusCode::CREATED
-    );
+    assert_eq!(post(Some("k"), me, json, valid).await.unwrap().status(), StatusCode::CREATED);
 }

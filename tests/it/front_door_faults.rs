@@ -22,17 +22,9 @@ async fn a_timeout_after_the_rail_applied_is_pending_then_finishes_once() {
     let pending: Value = first.json().await.unwrap();
     assert_eq!(pending["status"], "pending");
     let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
-    assert_eq!(
-        shown["status"], "pending",
-        "an unknown outcome is never shown as failed"
-    );
+    assert_eq!(shown["status"], "pending", "an unknown outcome is never shown as failed");
     assert_eq!(app.e2.statement().await.len(), 1, "the rail applied it");
-    let key: Value = app
-        .get_as(&app.api_key, "/v1/idempotency-keys/t-1")
-        .await
-        .json()
-        .await
-        .unwrap();
+    let key: Value = app.get_as(&app.api_key, "/v1/idempotency-keys/t-1").await.json().await.unwrap();
     assert_eq!(key["state"], "started", "a 202 is not a final answer");
 
     app.e2.clear_faults().await;
@@ -63,12 +55,7 @@ async fn a_rail_outage_is_transient_and_the_retry_succeeds() {
     assert!(first.headers().get("retry-after").is_some());
     assert_eq!(first.headers()["content-type"], "application/problem+json");
     assert!(app.e2.statement().await.is_empty(), "a 503 applied nothing");
-    let key: Value = app
-        .get_as(&app.api_key, "/v1/idempotency-keys/o-1")
-        .await
-        .json()
-        .await
-        .unwrap();
+    let key: Value = app.get_as(&app.api_key, "/v1/idempotency-keys/o-1").await.json().await.unwrap();
     assert_eq!(key["state"], "started", "the 503 was not stored as the answer");
 
     app.e2.clear_faults().await;

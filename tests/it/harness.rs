@@ -23,9 +23,7 @@ pub struct TestKeys {
 impl TestKeys {
     pub async fn new() -> Self {
         let mut settings = KeyStoreSettings::from_env().expect("key store settings from the environment");
-        settings
-            .aws_endpoint_url
-            .get_or_insert_with(|| LOCAL_DYNAMODB.to_owned());
+        settings.aws_endpoint_url.get_or_insert_with(|| LOCAL_DYNAMODB.to_owned());
         settings.table = format!("keyfence-test-{}", Uuid::new_v4().simple());
         // Hundreds of racers queue at the emulator, which serves one request at a time.
         settings.attempt_timeout = Duration::from_secs(30);
@@ -33,10 +31,7 @@ impl TestKeys {
         keystore::ensure_table(&client, &settings.table)
             .await
             .unwrap_or_else(|e| panic!("creating a test table (is the emulator running? scripts/test starts it): {e}"));
-        Self {
-            store: DynamoKeyStore::new(client, settings.table.clone()),
-            settings,
-        }
+        Self { store: DynamoKeyStore::new(client, settings.table.clone()), settings }
     }
 }
 
@@ -55,6 +50,8 @@ impl Drop for TestKeys {
 pub struct TestLedger {
     pub ledger: Ledger,
     pub settings: LedgerSettings,
+    /// The database's URL, for processes the test spawns.
+    pub url: String,
 }
 
 impl TestLedger {
@@ -62,10 +59,27 @@ impl TestLedger {
         let mut settings = LedgerSettings::from_env().expect("ledger settings from the environment");
         let name = format!("keyfence_test_{}", Uuid::new_v4().simple());
         settings.database_url = settings.database_url.with_database(&name);
+        let base =
+            std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/keyfence".into());
+        let url = url_with_database(&base, &name);
         let (ledger, _) = Ledger::migrate(&settings)
             .await
             .unwrap_or_else(|e| panic!("creating a test database (is PostgreSQL running?): {e}"));
-        Self { ledger, settings }
+        Self { ledger, settings, url }
+    }
+}
+
+/// `base` (a PostgreSQL URL) naming database `name` instead.
+fn url_with_database(base: &str, name: &str) -> String {
+    let (without_query, query) = base.split_once('?').map_or((base, None), |(u, q)| (u, Some(q)));
+    let authority_start = without_query.find("://").map_or(0, |i| i + 3);
+    let server = match without_query[authority_start..].find('/') {
+        Some(slash) => &without_query[..authority_start + slash],
+        None => without_query,
+    };
+    match query {
+        Some(q) => format!("{server}/{name}?{q}"),
+        None => format!("{server}/{name}"),
     }
 }
 
@@ -75,10 +89,7 @@ impl Drop for TestLedger {
         // The pool's connections belong to the test's runtime, which is
         // blocked here; FORCE ends them from the server side instead.
         cleanup(async move {
-            let drop = format!(
-                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                ledger::quote_ident(url.database())
-            );
+            let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", ledger::quote_ident(url.database()));
             let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone()).await;
             let dropped = match admin {
                 Ok(admin) => sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await.map(|_| ()),
@@ -95,11 +106,7 @@ impl Drop for TestLedger {
 /// (the test's runtime may be shutting down or panicking).
 fn cleanup(work: impl std::future::Future<Output = ()> + Send + 'static) {
     let done = std::thread::spawn(move || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("cleanup runtime")
-            .block_on(work)
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("cleanup runtime").block_on(work)
     })
     .join();
     if done.is_err() {

@@ -97,10 +97,7 @@ impl World {
     }
 
     fn lease(&self) -> Lease {
-        Lease {
-            now: self.now,
-            length: LEASE,
-        }
+        Lease { now: self.now, length: LEASE }
     }
 
     fn claim(&self, owner: usize, key: usize) -> Claim {
@@ -195,21 +192,15 @@ async fn step<S: KeyStore>(store: &S, world: &World, op: &Op) -> Outcome {
         Op::Claim { owner, key } => outcome(store.claim(&world.claim(owner, key)).await, Outcome::Item),
         Op::TakeOver { owner, key } => {
             let seen = world.seen.get(&(owner, key)).copied().unwrap_or(Fence::FIRST);
-            let result = store
-                .take_over(&world.keys[key], seen, &world.owners[owner], world.lease())
-                .await;
+            let result = store.take_over(&world.keys[key], seen, &world.owners[owner], world.lease()).await;
             outcome(result, Outcome::Item)
         }
         Op::Heartbeat { owner, key } => {
-            let result = store
-                .heartbeat(&world.keys[key], world.fence_of(owner, key), world.lease())
-                .await;
+            let result = store.heartbeat(&world.keys[key], world.fence_of(owner, key), world.lease()).await;
             outcome(result, Outcome::Until)
         }
         Op::Finish { owner, key, body } => {
-            let result = store
-                .finish(&world.keys[key], world.fence_of(owner, key), &world.finish(body))
-                .await;
+            let result = store.finish(&world.keys[key], world.fence_of(owner, key), &world.finish(body)).await;
             outcome(result, Outcome::Item)
         }
         Op::Release { owner, key, forget } => {
@@ -246,11 +237,7 @@ async fn run_case(dynamo: &DynamoKeyStore, ops: &[Op]) {
 fn dynamo_key_store_follows_the_model_and_admits_one_writer() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let keys = runtime.block_on(TestKeys::new());
-    let mut runner = TestRunner::new(Config {
-        cases: 96,
-        failure_persistence: None,
-        ..Config::default()
-    });
+    let mut runner = TestRunner::new(Config { cases: 96, failure_persistence: None, ..Config::default() });
     let result = runner.run(&proptest::collection::vec(op(), 1..40), |ops| {
         runtime.block_on(run_case(&keys.store, &ops));
         Ok(())

@@ -42,10 +42,7 @@ async fn concurrent_claims_of_one_key_have_exactly_one_winner() {
         assert_eq!(winner.fence, Fence::FIRST);
         assert_eq!(shown.len(), RACERS - 1);
         for item in &shown {
-            assert_eq!(
-                item, winner,
-                "round {round}: a loser was shown another item than the winner's"
-            );
+            assert_eq!(item, winner, "round {round}: a loser was shown another item than the winner's");
         }
         let stored = keys.store.get(&key).await.unwrap().expect("the claimed item");
         assert_eq!(&stored, winner);
@@ -58,15 +55,8 @@ async fn concurrent_takeovers_of_one_stale_item_have_exactly_one_winner() {
     for round in 0..ROUNDS {
         let key = fresh_key();
         let start = Millis::now();
-        let first = keys
-            .store
-            .claim(&claim_of(&key, start, Duration::from_millis(10)))
-            .await
-            .unwrap();
-        let later = Lease {
-            now: start.plus(Duration::from_secs(1)),
-            length: LEASE,
-        };
+        let first = keys.store.claim(&claim_of(&key, start, Duration::from_millis(10))).await.unwrap();
+        let later = Lease { now: start.plus(Duration::from_secs(1)), length: LEASE };
 
         let owners: Vec<_> = (0..RACERS).map(|i| Owner::attempt_of(&format!("racer-{i}"))).collect();
         let results = join_all(owners.iter().map(|o| keys.store.take_over(&key, first.fence, o, later))).await;
@@ -79,10 +69,7 @@ async fn concurrent_takeovers_of_one_stale_item_have_exactly_one_winner() {
         assert_eq!(winner.lease_until, later.until());
         assert_ne!(winner.owner, first.owner);
         for item in &shown {
-            assert_eq!(
-                item, winner,
-                "round {round}: a loser was shown another item than the winner's"
-            );
+            assert_eq!(item, winner, "round {round}: a loser was shown another item than the winner's");
         }
         let stored = keys.store.get(&key).await.unwrap().expect("the item");
         assert_eq!(&stored, winner);

@@ -36,14 +36,7 @@ async fn hold_funds(conn: &mut PgConnection, req: &RequestRecord, fence: Fence) 
     .bind(fence.get() as i64)
     .execute(&mut *conn)
     .await?;
-    post(
-        conn,
-        req.payment_id,
-        "hold",
-        &[("DE01", -1250), ("DE01:held", 1250)],
-        fence,
-    )
-    .await
+    post(conn, req.payment_id, "hold", &[("DE01", -1250), ("DE01:held", 1250)], fence).await
 }
 
 async fn post(
@@ -88,9 +81,7 @@ async fn state(ledger: &Ledger, req: &RequestRecord) -> (i64, String) {
 }
 
 async fn first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Result<Phase, LedgerError> {
-    let mut phase = ledger
-        .begin_phase(req, fence, &RecoveryPoint::STARTED, &H1_DONE)
-        .await?;
+    let mut phase = ledger.begin_phase(req, fence, &RecoveryPoint::STARTED, &H1_DONE).await?;
     hold_funds(phase.conn(), req, fence).await?;
     Ok(phase)
 }
@@ -116,15 +107,7 @@ async fn a_phase_under_an_older_fence_is_refused_and_writes_nothing() {
 
     // The current owner carries on.
     let mut next = db.ledger.begin_phase(&req, t, &H1_DONE, &EXT1_SENT).await.unwrap();
-    post(
-        next.conn(),
-        req.payment_id,
-        "transfer",
-        &[("DE01:held", -1250), ("FR02", 1250)],
-        t,
-    )
-    .await
-    .unwrap();
+    post(next.conn(), req.payment_id, "transfer", &[("DE01:held", -1250), ("FR02", 1250)], t).await.unwrap();
     assert_eq!(next.commit().await.unwrap(), EXT1_SENT);
     assert_eq!(state(&db.ledger, &req).await, (2, "EXT1_SENT".into()));
 }
@@ -133,12 +116,7 @@ async fn a_phase_under_an_older_fence_is_refused_and_writes_nothing() {
 async fn a_committed_phase_never_runs_twice() {
     let db = TestLedger::new().await;
     let req = request();
-    first_phase(&db.ledger, &req, Fence::FIRST)
-        .await
-        .unwrap()
-        .commit()
-        .await
-        .unwrap();
+    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
     let before = counts(&db.ledger).await;
     match first_phase(&db.ledger, &req, Fence::FIRST).await {
         Err(LedgerError::OutOfOrder { expected, found }) => {
@@ -149,9 +127,7 @@ async fn a_committed_phase_never_runs_twice() {
         Ok(_) => panic!("the first phase ran twice"),
     }
     assert!(matches!(
-        db.ledger
-            .begin_phase(&req, Fence::FIRST, &EXT1_SENT, &RecoveryPoint::named("EXT1_DONE"))
-            .await,
+        db.ledger.begin_phase(&req, Fence::FIRST, &EXT1_SENT, &RecoveryPoint::named("EXT1_DONE")).await,
         Err(LedgerError::OutOfOrder { .. })
     ));
     assert_eq!(counts(&db.ledger).await, before);
@@ -162,33 +138,15 @@ async fn adopting_fences_the_previous_owner_out_before_any_new_phase() {
     let db = TestLedger::new().await;
     let req = request();
     // Nothing committed yet: adopting creates the row at STARTED.
-    assert_eq!(
-        db.ledger.adopt(&req, Fence::new(2)).await.unwrap(),
-        RecoveryPoint::STARTED
-    );
+    assert_eq!(db.ledger.adopt(&req, Fence::new(2)).await.unwrap(), RecoveryPoint::STARTED);
     // The old owner wakes and tries its first phase: refused.
-    assert!(matches!(
-        first_phase(&db.ledger, &req, Fence::FIRST).await,
-        Err(LedgerError::FencedOut { .. })
-    ));
+    assert!(matches!(first_phase(&db.ledger, &req, Fence::FIRST).await, Err(LedgerError::FencedOut { .. })));
     assert_eq!(counts(&db.ledger).await, (1, 0, 0));
     // An even older owner cannot adopt it back.
-    assert!(matches!(
-        db.ledger.adopt(&req, Fence::FIRST).await,
-        Err(LedgerError::FencedOut { .. })
-    ));
+    assert!(matches!(db.ledger.adopt(&req, Fence::FIRST).await, Err(LedgerError::FencedOut { .. })));
 
-    first_phase(&db.ledger, &req, Fence::new(2))
-        .await
-        .unwrap()
-        .commit()
-        .await
-        .unwrap();
-    assert_eq!(
-        db.ledger.adopt(&req, Fence::new(3)).await.unwrap(),
-        H1_DONE,
-        "a later owner resumes where it stopped"
-    );
+    first_phase(&db.ledger, &req, Fence::new(2)).await.unwrap().commit().await.unwrap();
+    assert_eq!(db.ledger.adopt(&req, Fence::new(3)).await.unwrap(), H1_DONE, "a later owner resumes where it stopped");
     assert_eq!(state(&db.ledger, &req).await, (3, "H1_DONE".into()));
 }
 
@@ -204,15 +162,9 @@ async fn a_phase_dropped_before_commit_leaves_nothing() {
 async fn postings_must_balance_and_are_never_rewritten() {
     let db = TestLedger::new().await;
     let req = request();
-    let mut phase = db
-        .ledger
-        .begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE)
-        .await
-        .unwrap();
+    let mut phase = db.ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await.unwrap();
     hold_funds(phase.conn(), &req, Fence::FIRST).await.unwrap();
-    post(phase.conn(), req.payment_id, "fee", &[("DE01", -10)], Fence::FIRST)
-        .await
-        .unwrap();
+    post(phase.conn(), req.payment_id, "fee", &[("DE01", -10)], Fence::FIRST).await.unwrap();
     let refused = phase.commit().await;
     assert!(
         matches!(&refused, Err(LedgerError::Database(e)) if e.to_string().contains("do not balance")),
@@ -220,15 +172,8 @@ async fn postings_must_balance_and_are_never_rewritten() {
     );
     assert_eq!(counts(&db.ledger).await, (0, 0, 0), "the whole phase rolled back");
 
-    first_phase(&db.ledger, &req, Fence::FIRST)
-        .await
-        .unwrap()
-        .commit()
-        .await
-        .unwrap();
-    let rewrite = sqlx::query("UPDATE postings SET amount_minor = 1")
-        .execute(db.ledger.pool())
-        .await;
+    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    let rewrite = sqlx::query("UPDATE postings SET amount_minor = 1").execute(db.ledger.pool()).await;
     assert!(rewrite.is_err(), "postings were rewritten");
     let erase = sqlx::query("DELETE FROM postings").execute(db.ledger.pool()).await;
     assert!(erase.is_err(), "postings were deleted");

@@ -3,6 +3,8 @@
 //! One binary, many modules; every test makes its own table and database.
 
 mod app;
+#[cfg(feature = "failpoints")]
+mod crash;
 mod emulator;
 mod engine_costs;
 mod front_door;
@@ -12,3 +14,5 @@ mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
 mod ledger_phases;
+#[cfg(feature = "failpoints")]
+mod process;

@@ -1,0 +1,138 @@
+//! The recovery worker: finds in-flight requests whose lease has run out
+//! (through the sparse in-flight index, shard by shard) and resumes each
+//! from its recovery point through the engine's takeover, so it is safe
+//! beside client retries and other workers. It runs inside `keyfence serve`
+//! on an interval and once, for operators, as `keyfence recover`.
+//! Parked requests are probed on every sweep; those still unknown after the
+//! configured attempts are listed as indeterminate for settlement.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::domain::Millis;
+use crate::engine::{Answer, Engine, EngineError, PaymentOperation, Recovery};
+use crate::keystore::{INFLIGHT_SHARDS, KeyStore, StaleKey};
+use crate::ledger::external::Indeterminate;
+
+/// Requests resumed at once by one sweep.
+const PARALLEL: usize = 8;
+
+/// What one sweep did.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct SweepReport {
+    /// Stale in-flight keys found in the index.
+    pub found: usize,
+    /// Resumed to their final answer.
+    pub finished: usize,
+    /// Resumed, then parked again: an external outcome is still unknown.
+    pub pending: usize,
+    /// Taken by someone else first (a retry, another worker) or already moved on.
+    pub lost: usize,
+    /// Homed in another region: left alone.
+    pub other_region: usize,
+    /// Keys that could not be resumed, with why (they will be tried again).
+    pub failed: Vec<Failure>,
+    /// External calls whose outcome stays unknown, for settlement.
+    pub indeterminate: Vec<Indeterminate>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Failure {
+    pub key: String,
+    pub error: String,
+}
+
+/// Finds every stale key and resumes it; `tick` is called once per key handled.
+pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize), tick: impl Fn()) -> SweepReport {
+    let mut report = SweepReport::default();
+    let now = Millis::now();
+    let mut stale: Vec<StaleKey> = Vec::new();
+    for shard in 0..INFLIGHT_SHARDS {
+        match engine.keys().stale_in_flight(shard, now).await {
+            Ok(found) => stale.extend(found),
+            Err(e) => report.failed.push(Failure { key: format!("(shard {shard})"), error: e.to_string() }),
+        }
+    }
+    report.found = stale.len();
+    on_found(stale.len());
+    let outcomes: Vec<_> = futures::stream::iter(stale)
+        .map(|s| async move {
+            let outcome = engine.recover(&s, PaymentOperation::from_canonical).await;
+            (s, outcome)
+        })
+        .buffer_unordered(PARALLEL)
+        .inspect(|_| tick())
+        .collect()
+        .await;
+    for (stale, outcome) in outcomes {
+        match outcome {
+            Ok(Recovery::Resumed(Answer::Final { .. })) => report.finished += 1,
+            Ok(Recovery::Resumed(Answer::Pending { .. })) => report.pending += 1,
+            Ok(Recovery::Resumed(Answer::InFlight { .. } | Answer::Mismatch) | Recovery::Lost)
+            | Err(EngineError::FencedOut) => report.lost += 1,
+            Ok(Recovery::NotHome) => report.other_region += 1,
+            Err(e) => report.failed.push(Failure { key: stale.key.to_string(), error: e.to_string() }),
+        }
+    }
+    match engine.ledger().indeterminate().await {
+        Ok(list) => report.indeterminate = list,
+        Err(e) => report.failed.push(Failure { key: "(indeterminate list)".into(), error: e.to_string() }),
+    }
+    report
+}
+
+/// Sweeps every `interval` until `stop`'s sender is dropped.
+pub async fn run_until_stopped<K: KeyStore + 'static>(
+    engine: Arc<Engine<K>>,
+    interval: Duration,
+    mut stop: watch::Receiver<()>,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+        let report = sweep(&engine, |_| {}, || {}).await;
+        if report.found > 0 || !report.failed.is_empty() {
+            tracing::info!(
+                found = report.found,
+                finished = report.finished,
+                pending = report.pending,
+                lost = report.lost,
+                failed = report.failed.len(),
+                indeterminate = report.indeterminate.len(),
+                "recovery sweep"
+            );
+        }
+    }
+}
+
+impl SweepReport {
+    /// A summary for people.
+    pub fn summary(&self) -> String {
+        let mut out = format!(
+            "stale in-flight keys found: {}\n  finished:      {}\n  still pending: {}\n  taken by others: {}\n  other region:  {}\n  failed:        {}\n",
+            self.found,
+            self.finished,
+            self.pending,
+            self.lost,
+            self.other_region,
+            self.failed.len()
+        );
+        for f in &self.failed {
+            out += &format!("    {}: {}\n", f.key, f.error);
+        }
+        out += &format!("indeterminate, for settlement: {}\n", self.indeterminate.len());
+        for i in &self.indeterminate {
+            out += &format!(
+                "    client {} key {} payment {} step {} (derived key {}, {} attempts, last {})\n",
+                i.client_id, i.idem_key, i.payment_id, i.step, i.derived_key, i.attempts, i.last_attempt_at
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,69 @@
+//! `ServeProcess`: the real `keyfence serve` binary as a child process,
+//! wired to a test's own stack (table, database, rail simulators). Crash
+//! tests give it `FAILPOINTS` so it aborts or stalls at a boundary.
+
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::app::TestApp;
+
+/// Lease of spawned instances: short, so takeovers happen quickly.
+pub const LEASE_MS: u64 = 1000;
+
+pub struct ServeProcess {
+    child: Child,
+    pub url: String,
+}
+
+impl ServeProcess {
+    /// Starts an instance of the service on `app`'s stack. `recovery_ms` 0
+    /// means no recovery worker in this instance.
+    pub async fn start(app: &TestApp, failpoints: Option<&str>, recovery_ms: u64) -> Self {
+        let keys = &app.keys.settings;
+        let mut command = Command::new(env!("CARGO_BIN_EXE_keyfence"));
+        command
+            .arg("serve")
+            .env("AWS_ENDPOINT_URL", keys.aws_endpoint_url.as_deref().unwrap_or("http://127.0.0.1:4566"))
+            .env("AWS_REGION", &keys.aws_region)
+            .env("KEYFENCE_TABLE", &keys.table)
+            .env("DATABASE_URL", &app.db.url)
+            .env("KEYFENCE_LISTEN", "127.0.0.1:0")
+            .env("KEYFENCE_REGION", "test-1")
+            .env("KEYFENCE_E1_URL", &app.e1.url)
+            .env("KEYFENCE_E2_URL", &app.e2.url)
+            .env("KEYFENCE_LEASE_MS", LEASE_MS.to_string())
+            .env("KEYFENCE_RAIL_TIMEOUT_MS", "1000")
+            .env("KEYFENCE_RECOVERY_INTERVAL_MS", recovery_ms.to_string())
+            .env("RUST_LOG", "warn")
+            .env_remove("FAILPOINTS")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        if let Some(failpoints) = failpoints {
+            command.env("FAILPOINTS", failpoints);
+        }
+        let mut child = command.spawn().expect("spawning keyfence serve");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("keyfence serve started within 30 s")
+            .expect("reading its stdout")
+            .expect("keyfence serve printed where it listens");
+        let url = first.strip_prefix("keyfence: listening on ").expect("the listening line").to_owned();
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Self { child, url }
+    }
+
+    /// Waits for the process to exit by itself.
+    pub async fn exited(&mut self) -> ExitStatus {
+        tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("the process exited within 30 s")
+            .expect("waiting for the process")
+    }
+}
