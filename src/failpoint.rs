@@ -8,7 +8,9 @@
 //! The names, in the order a payment meets them:
 //! `after-claim`, `before-commit:EXT1_SENT`, `after-commit:EXT1_SENT`,
 //! `after-call:ext1`, `before-commit:EXT2_SENT`, `after-commit:EXT2_SENT`,
-//! `after-call:ext2`, `before-commit:FINISHED`, `after-commit:FINISHED`.
+//! `after-call:ext2`, `before-commit:FINISHED`, `after-commit:FINISHED`;
+//! and `before-phase:{point}` (after the lease check, before the phase
+//! begins) for each of the three phases, where a stall makes a zombie.
 
 /// Marks a boundary; `name` is built only when failpoints are compiled in.
 #[inline]

@@ -135,6 +135,9 @@ impl<K: KeyStore> Engine<K> {
         };
         let to = last.point().clone();
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
+        // A stall here is the classic zombie: the lease looked fresh a moment
+        // ago, and the fence check below is what stops the write.
+        failpoint::boundary(|| format!("before-phase:{to}"));
         let mut phase = self.ledger.begin_phase(&attempt.record, attempt.fence, &attempt.at, &to).await?;
         for item in work {
             phase.record_point(&attempt.record, item.point()).await?;
@@ -205,7 +208,11 @@ impl<K: KeyStore> Engine<K> {
     async fn park(&self, attempt: &mut Attempt, ext: &ExternalStep, why: &str) -> Result<Settled, EngineError> {
         tracing::warn!(key = %attempt.record.key, step = ext.name, why, "external outcome unknown; parking the request");
         let mut phase = self.ledger.begin_phase(&attempt.record, attempt.fence, &attempt.at, &attempt.at).await?;
-        external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, attempt.fence).await?;
+        let attempts = external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, attempt.fence).await?;
+        if attempts >= self.settings.max_unknown_attempts {
+            tracing::warn!(key = %attempt.record.key, step = ext.name, attempts, "outcome indeterminate; listed for settlement");
+            external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, attempt.fence).await?;
+        }
         phase.commit().await?;
         self.hand_back(attempt).await;
         Ok(Settled::Parked(Answer::Pending { payment_id: attempt.record.payment_id }))

@@ -52,6 +52,8 @@ impl TestRail {
 
 pub struct TestApp {
     pub url: String,
+    /// The settings the in-process service runs with (other instances copy them).
+    pub settings: ServeSettings,
     pub http: reqwest::Client,
     pub keys: TestKeys,
     pub db: TestLedger,
@@ -97,6 +99,7 @@ pub async fn spawn_app_with(adjust: impl FnOnce(&mut ServeSettings)) -> TestApp 
     db.ledger.create_client("test client", &api_key).await.unwrap();
     TestApp {
         url,
+        settings,
         http: reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap(),
         keys,
         db,

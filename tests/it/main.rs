@@ -16,3 +16,6 @@ mod keystore_races;
 mod ledger_phases;
 #[cfg(feature = "failpoints")]
 mod process;
+mod rail_outage;
+#[cfg(feature = "failpoints")]
+mod zombies;

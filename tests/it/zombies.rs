@@ -1,0 +1,91 @@
+//! Owners that lose their lease: a stalled owner (a zombie) that wakes after
+//! a takeover changes nothing; a client retry and two recovery workers that
+//! race for one stale key resume it exactly once.
+
+use std::time::Duration;
+
+use keyfence::domain::{Fence, IdempotencyKey, ScopedKey};
+use keyfence::keystore::{KeyState, KeyStore};
+use keyfence::recovery;
+use keyfence::startup::build_engine;
+use reqwest::StatusCode;
+
+use crate::app::{payment, spawn_app};
+use crate::crash::assert_exactly_once;
+use crate::process::{LEASE_MS, ServeProcess};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_owner_that_wakes_after_a_takeover_changes_nothing() {
+    let app = spawn_app().await;
+    let body = payment("E2E-ZOMBIE");
+    let zombie = ServeProcess::start(&app, Some("before-phase:EXT2_SENT=sleep(3000)"), 0).await;
+    let (zombie_url, api_key, http, zombie_body) =
+        (zombie.url.clone(), app.api_key.clone(), app.http.clone(), body.clone());
+    let zombie_answer = tokio::spawn(async move {
+        http.post(format!("{zombie_url}/v1/payments"))
+            .bearer_auth(api_key)
+            .header("Idempotency-Key", "zombie-1")
+            .json(&zombie_body)
+            .send()
+            .await
+    });
+
+    // The zombie has called E1 and stalls; once its lease is over, another
+    // instance takes the retry over and finishes the payment.
+    tokio::time::sleep(Duration::from_millis(LEASE_MS + 300)).await;
+    let successor = ServeProcess::start(&app, None, 0).await;
+    let retry = app.try_pay_at(&successor.url, &app.api_key, "zombie-1", &body).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    let answer = retry.bytes().await.unwrap();
+
+    let woke = zombie_answer.await.unwrap().expect("the zombie answers its client once it wakes");
+    assert_eq!(woke.status(), StatusCode::CONFLICT, "the zombie must not report an answer of its own");
+
+    assert_exactly_once(&app).await;
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("zombie-1").unwrap());
+    let stored = app.keys.store.get(&key).await.unwrap().unwrap();
+    assert_eq!(stored.fence, Fence::new(2));
+    assert_eq!(stored.response.unwrap().body, answer.to_vec(), "the stored answer is the successor's");
+    let by_zombie: Vec<String> = sqlx::query_scalar("SELECT point FROM phase_runs WHERE fence = 1 ORDER BY point")
+        .fetch_all(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(by_zombie, ["EXT1_SENT", "H1_DONE"], "nothing the zombie tried after the takeover was written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_and_two_recovery_workers_resume_a_stale_key_once() {
+    let app = spawn_app().await;
+    let body = payment("E2E-RACE-RESUME");
+    let mut doomed = ServeProcess::start(&app, Some("after-call:ext1=return"), 0).await;
+    assert!(app.try_pay_at(&doomed.url, &app.api_key, "stale-1", &body).await.is_err());
+    doomed.exited().await;
+
+    let survivor = ServeProcess::start(&app, None, 0).await;
+    let worker = |name: &str| {
+        let mut settings = app.settings.clone();
+        settings.instance = name.to_owned();
+        settings.lease = Duration::from_millis(LEASE_MS);
+        settings
+    };
+    let (first, second) =
+        (build_engine(&worker("worker-a")).await.unwrap(), build_engine(&worker("worker-b")).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(LEASE_MS + 200)).await;
+
+    let (retry, a, b) = tokio::join!(
+        app.try_pay_at(&survivor.url, &app.api_key, "stale-1", &body),
+        recovery::sweep(&first, |_| {}, || {}),
+        recovery::sweep(&second, |_| {}, || {}),
+    );
+    let retry = retry.unwrap();
+    let retry_resumed = retry.status() == StatusCode::CREATED && retry.headers().get("idempotent-replayed").is_none();
+    let resumed = usize::from(retry_resumed) + a.finished + b.finished;
+    assert_eq!(resumed, 1, "retry {} / worker a {a:?} / worker b {b:?}", retry.status());
+    assert!(a.failed.is_empty() && b.failed.is_empty(), "{a:?} {b:?}");
+
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("stale-1").unwrap());
+    let item = app.keys.store.get(&key).await.unwrap().unwrap();
+    assert_eq!(item.state, KeyState::Finished);
+    assert_eq!(item.fence, Fence::new(2), "exactly one takeover happened");
+    assert_exactly_once(&app).await;
+}
