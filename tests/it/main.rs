@@ -16,6 +16,7 @@ mod keystore_races;
 mod ledger_phases;
 #[cfg(feature = "failpoints")]
 mod process;
+mod protocol_model;
 mod rail_outage;
 #[cfg(feature = "failpoints")]
 mod zombies;
