@@ -114,15 +114,17 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
 impl SweepReport {
     /// A summary for people.
     pub fn summary(&self) -> String {
-        let mut out = format!(
-            "stale in-flight keys found: {}\n  finished:      {}\n  still pending: {}\n  taken by others: {}\n  other region:  {}\n  failed:        {}\n",
-            self.found,
-            self.finished,
-            self.pending,
-            self.lost,
-            self.other_region,
-            self.failed.len()
-        );
+        let rows = [
+            ("finished", self.finished),
+            ("still pending", self.pending),
+            ("taken by others", self.lost),
+            ("other region", self.other_region),
+            ("failed", self.failed.len()),
+        ];
+        let mut out = format!("stale in-flight keys found: {}\n", self.found);
+        for (label, count) in rows {
+            out += &format!("  {label:<16} {count}\n");
+        }
         for f in &self.failed {
             out += &format!("    {}: {}\n", f.key, f.error);
         }
