@@ -238,8 +238,8 @@ impl World {
                 if let Some((newest, _)) = self.ledger.row {
                     assert!(fence >= newest, "fence {fence} wrote after fence {newest} adopted the request");
                 }
-                for point in at + 1..=to {
-                    assert!(self.ledger.runs.iter().all(|(p, _)| *p != point), "{} ran twice", POINTS[point]);
+                for (point, name) in POINTS.iter().enumerate().take(to + 1).skip(at + 1) {
+                    assert!(self.ledger.runs.iter().all(|(p, _)| *p != point), "{name} ran twice");
                     if let Some((_, last)) = self.ledger.runs.last() {
                         assert!(*last <= fence, "a write went back to an older fence");
                     }
