@@ -26,6 +26,7 @@ pub mod http;
 pub mod keystore;
 pub mod ledger;
 pub mod rail;
+pub mod reconcile;
 pub mod recovery;
 pub mod startup;
 pub mod telemetry;

@@ -6,12 +6,12 @@ use std::net::SocketAddr;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use keyfence::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
-use keyfence::domain::ApiKey;
+use keyfence::domain::{ApiKey, Millis};
 use keyfence::keystore::{self, DynamoKeyStore, TableChange};
 use keyfence::ledger::Ledger;
 use keyfence::rail::RailClient;
 use keyfence::startup::{Application, shutdown_signal};
-use keyfence::{bench, rail, recovery, startup, telemetry};
+use keyfence::{bench, rail, reconcile, recovery, startup, telemetry};
 
 #[derive(Parser)]
 #[command(name = "keyfence", version, about = "Exactly-once payment requests across regions")]
@@ -33,6 +33,8 @@ enum Command {
     RailSim(RailSimArgs),
     /// Resume every stale in-flight request once, then report (the worker inside `serve` does this on an interval).
     Recover(Box<RecoverArgs>),
+    /// Compare the key store with this region's ledger; report, or repair with --repair.
+    Reconcile(Box<ReconcileArgs>),
     /// Measure a running front door against the floor of its store and rail calls.
     Bench(Box<BenchArgs>),
 }
@@ -44,6 +46,67 @@ struct RecoverArgs {
     json: bool,
     #[command(flatten)]
     serve: ServeSettings,
+}
+
+#[derive(Args)]
+struct ReconcileArgs {
+    /// Compare requests created at or after this instant (RFC 3339).
+    #[arg(long, value_parser = parse_instant)]
+    since: Option<Millis>,
+    /// Compare requests created before this instant (RFC 3339; default: now).
+    #[arg(long, value_parser = parse_instant)]
+    until: Option<Millis>,
+    /// Repair what is found. Without it nothing is changed.
+    #[arg(long, conflicts_with = "dry_run")]
+    repair: bool,
+    /// Report only (the default).
+    #[arg(long)]
+    dry_run: bool,
+    /// table: findings and a summary for people; json: the whole report.
+    #[arg(long, value_enum, default_value = "table")]
+    format: Format,
+    /// A lease over for longer than this means nobody is resuming (ms).
+    #[arg(long = "stale-after-ms", default_value_t = 30_000)]
+    stale_after_ms: u64,
+    /// An external outcome unknown for longer than this needs settling (ms).
+    #[arg(long = "unknown-after-ms", default_value_t = 300_000)]
+    unknown_after_ms: u64,
+    /// Parallel segments of the key-table scan.
+    #[arg(long, default_value_t = 4)]
+    segments: u32,
+    #[command(flatten)]
+    serve: ServeSettings,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Format {
+    Table,
+    Json,
+}
+
+fn parse_instant(raw: &str) -> Result<Millis, String> {
+    let at = time::OffsetDateTime::parse(raw, &time::format_description::well_known::Rfc3339)
+        .map_err(|e| format!("expected an RFC 3339 instant such as 2026-11-29T10:00:00Z: {e}"))?;
+    u64::try_from(at.unix_timestamp_nanos() / 1_000_000).map(Millis::new).map_err(|_| "before 1970".to_owned())
+}
+
+/// Progress on stderr: a spinner while scanning, a bar while repairing.
+struct Bar(indicatif::ProgressBar);
+
+impl reconcile::Progress for Bar {
+    fn scanned(&self, keys: usize) {
+        self.0.set_message(format!("scanned {keys} keys"));
+    }
+    fn repairing(&self, total: usize) {
+        self.0.set_style(
+            indicatif::ProgressStyle::with_template("repairing [{bar:40}] {pos}/{len}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        self.0.set_length(total as u64);
+    }
+    fn repaired(&self) {
+        self.0.inc(1);
+    }
 }
 
 #[derive(Args)]
@@ -111,7 +174,41 @@ async fn main() -> anyhow::Result<()> {
         Command::RailSim(args) => rail_sim(args).await,
         Command::Bench(args) => bench(*args).await,
         Command::Recover(args) => recover(*args).await,
+        Command::Reconcile(args) => reconcile(*args).await,
     }
+}
+
+/// Exit status 0: the stores agree (or every finding was repaired);
+/// 1: divergence remains; 2: the reconciler could not run.
+async fn reconcile(args: ReconcileArgs) -> anyhow::Result<()> {
+    let engine = startup::build_engine(&args.serve).await.context("connecting to the stores")?;
+    let options = reconcile::Options {
+        since: args.since.unwrap_or_default(),
+        until: args.until.unwrap_or_else(|| Millis::now().plus(std::time::Duration::from_secs(1))),
+        repair: args.repair && !args.dry_run,
+        stale_after: std::time::Duration::from_millis(args.stale_after_ms),
+        unknown_after: std::time::Duration::from_millis(args.unknown_after_ms),
+        segments: args.segments,
+    };
+    let bar = Bar(indicatif::ProgressBar::new_spinner());
+    bar.0.enable_steady_tick(std::time::Duration::from_millis(120));
+    let report = match reconcile::run(&engine, &options, &bar).await {
+        Ok(report) => report,
+        Err(e) => {
+            bar.0.finish_and_clear();
+            eprintln!("keyfence reconcile: {e}");
+            std::process::exit(2);
+        }
+    };
+    bar.0.finish_and_clear();
+    match args.format {
+        Format::Table => print!("{}", report.table()),
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report.to_json())?),
+    }
+    if report.unrepaired() > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 async fn recover(args: RecoverArgs) -> anyhow::Result<()> {

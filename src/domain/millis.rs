@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub struct Millis(u64);
 
 impl Millis {
-    pub fn new(ms: u64) -> Self {
+    pub const fn new(ms: u64) -> Self {
         Self(ms)
     }
 

@@ -13,6 +13,9 @@ impl RecoveryPoint {
     pub const STARTED: RecoveryPoint = RecoveryPoint::named("STARTED");
     /// The final answer is stored; only the key store may still need it.
     pub const FINISHED: RecoveryPoint = RecoveryPoint::named("FINISHED");
+    /// Another owner finished the request; what this ledger held of it was
+    /// reversed by the reconciler.
+    pub const VOIDED: RecoveryPoint = RecoveryPoint::named("VOIDED");
 
     pub const fn named(name: &'static str) -> Self {
         Self(Cow::Borrowed(name))

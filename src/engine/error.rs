@@ -33,7 +33,7 @@ impl From<LedgerError> for EngineError {
             // A phase that cannot start where it expects has a newer owner
             // (or already ran): either way this attempt must stop.
             LedgerError::FencedOut { .. } | LedgerError::OutOfOrder { .. } => EngineError::FencedOut,
-            LedgerError::Database(sqlx::Error::Database(_)) | LedgerError::Migration(_) => {
+            LedgerError::Database(sqlx::Error::Database(_)) | LedgerError::Migration(_) | LedgerError::Corrupt(_) => {
                 EngineError::Fault(e.to_string())
             }
             LedgerError::Database(_) => EngineError::Transient(e.to_string()),

@@ -28,6 +28,7 @@ impl Attempt {
                 operation: operation.to_owned(),
                 request_hash: item.request_hash.clone(),
                 payment_id: item.payment_id,
+                request: item.request.clone(),
             },
             fence: item.fence,
             lease_until: item.lease_until,

@@ -99,4 +99,14 @@ impl<K> Engine<K> {
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
     }
+
+    /// The region this engine works in.
+    pub fn region(&self) -> &str {
+        &self.settings.region
+    }
+
+    /// How long finished keys are kept.
+    pub fn retention(&self) -> Duration {
+        self.settings.retention
+    }
 }

@@ -4,9 +4,10 @@
 //! and retries can race for it and one wins. Keys whose home is another
 //! region are left alone.
 
-use crate::domain::{Millis, Owner};
-use crate::keystore::{KeyStore, KeyStoreError, Lease, StaleKey};
+use crate::domain::{Millis, Owner, RecoveryPoint};
+use crate::keystore::{KeyItem, KeyStore, KeyStoreError, Lease, StaleKey};
 
+use super::lease::Attempt;
 use super::{Answer, Engine, EngineError, Operation};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,5 +42,24 @@ impl<K: KeyStore> Engine<K> {
         tracing::info!(fence = %item.fence, "recovering a stale request");
         let op = decode(&item.request)?;
         self.resume(&op, &item).await.map(Recovery::Resumed)
+    }
+
+    /// Rebuilds in this region's ledger a request the key store says is
+    /// finished but the ledger lost (a failover dropped its last commits).
+    /// The key's fence is final, so the rebuild runs under it without a
+    /// lease; the phases' recovery-point checks stop a second rebuilder.
+    /// External steps are probed by derived key and re-sent (same key) only
+    /// if the rail never saw them. The ledger then stores the key's answer,
+    /// the bytes clients have already been given.
+    pub async fn rebuild<O: Operation>(&self, item: &KeyItem, op: &O) -> Result<Answer, EngineError> {
+        let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED);
+        attempt.lease_until = Millis::new(u64::MAX);
+        attempt.at = self.ledger.adopt(&attempt.record, item.fence).await?;
+        let answer = self.drive_to_answer(op, &mut attempt).await?;
+        if let (Answer::Final { .. }, Some(response)) = (&answer, &item.response) {
+            self.ledger.replace_answer(&attempt.record, item.fence, response).await?;
+            return Ok(Answer::Final { response: response.clone(), replayed: true });
+        }
+        Ok(answer)
     }
 }

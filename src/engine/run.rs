@@ -92,7 +92,11 @@ impl<K: KeyStore> Engine<K> {
         result
     }
 
-    async fn drive_to_answer<O: Operation>(&self, op: &O, attempt: &mut Attempt) -> Result<Answer, EngineError> {
+    pub(super) async fn drive_to_answer<O: Operation>(
+        &self,
+        op: &O,
+        attempt: &mut Attempt,
+    ) -> Result<Answer, EngineError> {
         let steps = op.steps();
         let mut outcome: Option<Applied> = None;
         loop {

@@ -276,6 +276,49 @@ impl KeyStore for DynamoKeyStore {
         out.item().map(decode).transpose()
     }
 
+    #[tracing::instrument(skip_all, fields(pk = %item.key))]
+    async fn restore(&self, item: &KeyItem) -> Result<(), KeyStoreError> {
+        let sent = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(encode(item)))
+            .condition_expression("attribute_not_exists(pk)")
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(_) => Ok(()),
+            Err(Failure::Condition(existing)) => {
+                Err(KeyStoreError::Taken(existing.map(|e| decode(&e)).transpose()?.map(Box::new)))
+            }
+            Err(Failure::Store(e)) => Err(e),
+        }
+    }
+
+    #[tracing::instrument(skip(self))]
+    async fn scan(
+        &self,
+        segment: u32,
+        total: u32,
+        cursor: Option<String>,
+    ) -> Result<(Vec<KeyItem>, Option<String>), KeyStoreError> {
+        let start = cursor.map(|pk| HashMap::from([(attr::PK.to_owned(), s(pk))]));
+        let page = self
+            .client
+            .scan()
+            .table_name(&self.table)
+            .segment(segment as i32)
+            .total_segments(total as i32)
+            .set_exclusive_start_key(start)
+            .send()
+            .await
+            .map_err(|e| store_error(&e))?;
+        let items = page.items().iter().map(decode).collect::<Result<Vec<_>, _>>()?;
+        let next = page.last_evaluated_key().and_then(|k| k.get(attr::PK)).and_then(|v| v.as_s().ok()).cloned();
+        Ok((items, next))
+    }
+
     #[tracing::instrument(skip(self))]
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
         let mut stale = Vec::new();

@@ -115,6 +115,40 @@ impl KeyStore for MemoryKeyStore {
         Ok(self.with_items(|items| items.get(&key.partition_key()).cloned()))
     }
 
+    async fn restore(&self, item: &KeyItem) -> Result<(), KeyStoreError> {
+        self.with_items(|items| match items.get(&item.key.partition_key()) {
+            Some(existing) => Err(KeyStoreError::Taken(Some(Box::new(existing.clone())))),
+            None => {
+                items.insert(item.key.partition_key(), item.clone());
+                Ok(())
+            }
+        })
+    }
+
+    /// Segments by a hash of the partition key; the cursor is the last
+    /// partition key returned (pages of at most 100, in key order).
+    async fn scan(
+        &self,
+        segment: u32,
+        total: u32,
+        cursor: Option<String>,
+    ) -> Result<(Vec<KeyItem>, Option<String>), KeyStoreError> {
+        Ok(self.with_items(|items| {
+            let mut mine: Vec<(&String, &KeyItem)> = items
+                .iter()
+                .filter(|(pk, _)| {
+                    let hash = pk.bytes().fold(0_u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+                    hash % total.max(1) == segment
+                })
+                .filter(|(pk, _)| cursor.as_ref().is_none_or(|c| *pk > c))
+                .collect();
+            mine.sort_by(|a, b| a.0.cmp(b.0));
+            let page: Vec<KeyItem> = mine.iter().take(100).map(|(_, item)| (*item).clone()).collect();
+            let next = (mine.len() > 100).then(|| mine[99].0.clone());
+            (page, next)
+        }))
+    }
+
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
         Ok(self.with_items(|items| {
             items

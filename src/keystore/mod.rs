@@ -124,6 +124,20 @@ pub trait KeyStore: Send + Sync {
     /// A strongly consistent read of the item.
     fn get(&self, key: &ScopedKey) -> impl Future<Output = Result<Option<KeyItem>, KeyStoreError>> + Send;
 
+    /// Puts back an item lost from the table (the reconciler's repair of a
+    /// key missing while the ledger has its request). Only where no item
+    /// exists: a present item comes back as `Taken`.
+    fn restore(&self, item: &KeyItem) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
+
+    /// One page of segment `segment` of `total` of a scan of every item,
+    /// continuing after `cursor` (a partition key); returns the next cursor.
+    fn scan(
+        &self,
+        segment: u32,
+        total: u32,
+        cursor: Option<String>,
+    ) -> impl Future<Output = Result<(Vec<KeyItem>, Option<String>), KeyStoreError>> + Send;
+
     /// Started items in in-flight shard `shard` whose lease ended before `now`.
     fn stale_in_flight(
         &self,

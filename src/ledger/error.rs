@@ -12,6 +12,9 @@ pub enum LedgerError {
     /// phase already committed (it must not run twice) or an earlier one has not.
     #[error("the request is at {found:?}, not at {expected} where this phase starts")]
     OutOfOrder { expected: RecoveryPoint, found: Option<RecoveryPoint> },
+    /// A stored value this code cannot accept.
+    #[error("ledger data is corrupt: {0}")]
+    Corrupt(String),
     #[error("ledger database error: {0}")]
     Database(#[from] sqlx::Error),
     #[error("ledger migration failed: {0}")]

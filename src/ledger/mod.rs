@@ -9,6 +9,7 @@ mod error;
 pub mod external;
 pub mod payments;
 mod phase;
+pub mod views;
 
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};

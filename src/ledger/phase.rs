@@ -18,7 +18,7 @@ use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
 
 /// Identifies a request in the ledger and carries what its first write needs.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestRecord {
     pub key: ScopedKey,
     /// The key item's `created_at`; part of the row's identity.
@@ -27,6 +27,9 @@ pub struct RequestRecord {
     pub operation: String,
     pub request_hash: RequestHash,
     pub payment_id: Uuid,
+    /// The canonical request, stored with the row so a lost key can be
+    /// recreated from the ledger alone.
+    pub request: Vec<u8>,
 }
 
 /// An open phase transaction whose fence has been checked. Dropping it
@@ -101,8 +104,8 @@ impl Ledger {
     pub async fn adopt(&self, request: &RequestRecord, fence: Fence) -> Result<RecoveryPoint, LedgerError> {
         let row = sqlx::query(
             "INSERT INTO requests AS r
-                    (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                    (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
              ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
                 SET fence = EXCLUDED.fence, updated_at = now()
               WHERE r.fence <= EXCLUDED.fence
@@ -116,6 +119,7 @@ impl Ledger {
         .bind(request.payment_id)
         .bind(fence_param(fence))
         .bind(RecoveryPoint::STARTED.as_str())
+        .bind(&request.request)
         .fetch_optional(&self.pool)
         .await?;
         match row {
@@ -141,8 +145,8 @@ impl Ledger {
         let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
             sqlx::query(
                 "INSERT INTO requests AS r
-                        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10)
                  ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
                     SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
                   WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $9
@@ -157,6 +161,7 @@ impl Ledger {
             .bind(fence_param(fence))
             .bind(to.as_str())
             .bind(from.as_str())
+            .bind(&request.request)
             .fetch_optional(&mut *tx)
             .await?
         } else {

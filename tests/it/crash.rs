@@ -24,10 +24,10 @@ enum Completion {
 }
 
 /// Retries until a 201 (409s are expected while the dead owner's lease runs).
-async fn retry_until_created(app: &TestApp, url: &str, body: &Value) -> reqwest::Response {
+pub async fn retry_until_created(app: &TestApp, url: &str, key: &str, body: &Value) -> reqwest::Response {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let response = app.try_pay_at(url, &app.api_key, KEY, body).await.expect("the new process answers");
+        let response = app.try_pay_at(url, &app.api_key, key, body).await.expect("the new process answers");
         match response.status() {
             StatusCode::CREATED => return response,
             StatusCode::CONFLICT | StatusCode::ACCEPTED | StatusCode::SERVICE_UNAVAILABLE => {}
@@ -91,7 +91,7 @@ async fn kill_at(failpoint: &str, completion: Completion) {
     let answer = match completion {
         Completion::ClientRetry => {
             let survivor = ServeProcess::start(&app, None, 0).await;
-            retry_until_created(&app, &survivor.url, &body).await.bytes().await.unwrap().to_vec()
+            retry_until_created(&app, &survivor.url, KEY, &body).await.bytes().await.unwrap().to_vec()
         }
         Completion::RecoveryWorker => {
             let _survivor = ServeProcess::start(&app, None, 200).await;

@@ -61,6 +61,19 @@ impl<K: KeyStore> KeyStore for Counting<K> {
         self.note("get");
         self.inner.get(key).await
     }
+    async fn restore(&self, item: &KeyItem) -> Result<(), KeyStoreError> {
+        self.note("restore");
+        self.inner.restore(item).await
+    }
+    async fn scan(
+        &self,
+        segment: u32,
+        total: u32,
+        cursor: Option<String>,
+    ) -> Result<(Vec<KeyItem>, Option<String>), KeyStoreError> {
+        self.note("scan");
+        self.inner.scan(segment, total, cursor).await
+    }
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
         self.note("stale_in_flight");
         self.inner.stale_in_flight(shard, now).await

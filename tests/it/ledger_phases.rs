@@ -19,6 +19,7 @@ fn request() -> RequestRecord {
         operation: "payment".into(),
         request_hash: RequestHash::from_hex("cd".repeat(32)),
         payment_id: Uuid::now_v7(),
+        request: b"{}".to_vec(),
     }
 }
 

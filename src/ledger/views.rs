@@ -1,0 +1,179 @@
+//! What the ledger holds about requests, read in bulk for the reconciler:
+//! the view of each request a key names (one query per page of keys), and
+//! the requests in a time window (to find those whose key is gone).
+
+use std::collections::{BTreeMap, HashMap};
+
+use sqlx::FromRow;
+use sqlx::types::Json;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::phase::{RequestRecord, fence_param};
+use super::{Ledger, LedgerError, Phase, payments, timestamp};
+use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
+
+/// The ledger's side of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerView {
+    pub record: RequestRecord,
+    pub fence: Fence,
+    pub recovery_point: RecoveryPoint,
+    pub answer: Option<StoredResponse>,
+    /// `None` if the payment row is missing.
+    pub payment_status: Option<String>,
+    /// The oldest last attempt among calls whose outcome is unknown.
+    pub unknown_since: Option<OffsetDateTime>,
+}
+
+#[derive(FromRow)]
+struct ViewRow {
+    client_id: Uuid,
+    idem_key: String,
+    created_at: OffsetDateTime,
+    operation: String,
+    request_hash: String,
+    payment_id: Uuid,
+    request: Vec<u8>,
+    fence: i64,
+    recovery_point: String,
+    response_status: Option<i32>,
+    response_headers: Option<Json<BTreeMap<String, String>>>,
+    response_body: Option<Vec<u8>>,
+    payment_status: Option<String>,
+    unknown_since: Option<OffsetDateTime>,
+}
+
+const VIEW_COLUMNS: &str =
+    "r.client_id, r.idem_key, r.created_at, r.operation, r.request_hash, r.payment_id, r.request,
+       r.fence, r.recovery_point, r.response_status, r.response_headers, r.response_body,
+       p.status AS payment_status,
+       (SELECT min(c.last_attempt_at) FROM external_calls c
+         WHERE (c.client_id, c.idem_key, c.request_created_at) = (r.client_id, r.idem_key, r.created_at)
+           AND c.outcome IN ('unknown', 'indeterminate')) AS unknown_since";
+
+fn millis_of(at: OffsetDateTime) -> Millis {
+    Millis::new(u64::try_from(at.unix_timestamp_nanos() / 1_000_000).unwrap_or(0))
+}
+
+impl ViewRow {
+    fn into_view(self) -> Result<LedgerView, LedgerError> {
+        let key = IdempotencyKey::parse(&self.idem_key)
+            .map_err(|e| LedgerError::Corrupt(format!("stored key {:?}: {e}", self.idem_key)))?;
+        let answer = match (self.response_status, self.response_headers, self.response_body) {
+            (Some(status), Some(headers), Some(body)) => {
+                Some(StoredResponse { status: u16::try_from(status).unwrap_or(500), headers: headers.0, body })
+            }
+            _ => None,
+        };
+        Ok(LedgerView {
+            record: RequestRecord {
+                key: ScopedKey::new(ClientId::new(self.client_id), key),
+                created_at: millis_of(self.created_at),
+                operation: self.operation,
+                request_hash: RequestHash::from_hex(self.request_hash),
+                payment_id: self.payment_id,
+                request: self.request,
+            },
+            fence: Fence::new(self.fence.unsigned_abs()),
+            recovery_point: RecoveryPoint::from_stored(self.recovery_point),
+            answer,
+            payment_status: self.payment_status,
+            unknown_since: self.unknown_since,
+        })
+    }
+}
+
+/// Identifies a request across both stores: its key and the key's `created_at`.
+pub type RequestId = (String, Millis);
+
+impl Ledger {
+    /// The ledger's view of each request in `wanted` that it has.
+    pub async fn views(&self, wanted: &[(ScopedKey, Millis)]) -> Result<HashMap<RequestId, LedgerView>, LedgerError> {
+        let clients: Vec<Uuid> = wanted.iter().map(|(k, _)| k.client.as_uuid()).collect();
+        let keys: Vec<&str> = wanted.iter().map(|(k, _)| k.key.as_str()).collect();
+        let created: Vec<OffsetDateTime> = wanted.iter().map(|(_, at)| timestamp(*at)).collect();
+        let query = format!(
+            "SELECT {VIEW_COLUMNS}
+               FROM unnest($1::uuid[], $2::text[], $3::timestamptz[]) AS k(client_id, idem_key, created_at)
+               JOIN requests r USING (client_id, idem_key, created_at)
+               LEFT JOIN payments p ON p.id = r.payment_id"
+        );
+        let rows: Vec<ViewRow> = sqlx::query_as(sqlx::AssertSqlSafe(query))
+            .bind(clients)
+            .bind(keys)
+            .bind(created)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.into_iter()
+            .map(|row| {
+                let view = row.into_view()?;
+                Ok(((view.record.key.partition_key(), view.record.created_at), view))
+            })
+            .collect()
+    }
+
+    /// Every request created in `[since, until)`, oldest first.
+    pub async fn requests_between(&self, since: Millis, until: Millis) -> Result<Vec<LedgerView>, LedgerError> {
+        let query = format!(
+            "SELECT {VIEW_COLUMNS}
+               FROM requests r LEFT JOIN payments p ON p.id = r.payment_id
+              WHERE r.created_at >= $1 AND r.created_at < $2
+              ORDER BY r.created_at"
+        );
+        let rows: Vec<ViewRow> = sqlx::query_as(sqlx::AssertSqlSafe(query))
+            .bind(timestamp(since))
+            .bind(timestamp(until))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.into_iter().map(ViewRow::into_view).collect()
+    }
+
+    /// Replaces the stored answer of a finished request (fence-checked), so
+    /// the ledger holds exactly the bytes clients have been given.
+    pub async fn replace_answer(
+        &self,
+        request: &RequestRecord,
+        fence: Fence,
+        answer: &StoredResponse,
+    ) -> Result<(), LedgerError> {
+        let mut phase = self.begin_phase(request, fence, &RecoveryPoint::FINISHED, &RecoveryPoint::FINISHED).await?;
+        phase.store_answer(request, answer).await?;
+        phase.commit().await?;
+        Ok(())
+    }
+
+    /// Voids what this ledger holds of a request another owner finished:
+    /// every posting is reversed by a compensating entry (history is never
+    /// deleted), the payment is marked voided and the request `VOIDED`.
+    pub async fn void(&self, request: &RequestRecord, fence: Fence, from: &RecoveryPoint) -> Result<(), LedgerError> {
+        let mut phase = self.begin_phase(request, fence, from, &RecoveryPoint::VOIDED).await?;
+        reverse_postings(&mut phase, request, fence).await?;
+        phase.commit().await?;
+        Ok(())
+    }
+}
+
+async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fence) -> Result<(), LedgerError> {
+    let totals: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT account, currency, sum(amount_minor)::bigint FROM postings WHERE payment_id = $1
+          GROUP BY account, currency HAVING sum(amount_minor) <> 0 ORDER BY account",
+    )
+    .bind(request.payment_id)
+    .fetch_all(&mut *phase.conn())
+    .await?;
+    for (account, currency, total) in totals {
+        sqlx::query(
+            "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
+             VALUES ($1, 'void', $2, $3, $4, $5)",
+        )
+        .bind(request.payment_id)
+        .bind(account)
+        .bind(-total)
+        .bind(currency)
+        .bind(fence_param(fence))
+        .execute(&mut *phase.conn())
+        .await?;
+    }
+    payments::set_status(phase.conn(), request.payment_id, "voided", None, fence).await
+}

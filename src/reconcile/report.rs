@@ -1,0 +1,129 @@
+//! The reconciler's report: every finding with its evidence and what the
+//! repair did, counts per class, and the external calls left indeterminate
+//! for settlement. As a table for people or JSON for machines; `unrepaired`
+//! is what the exit status reflects.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::{Class, Repair};
+use crate::domain::ScopedKey;
+use crate::ledger::external::Indeterminate;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Finding {
+    pub class: Class,
+    pub client_id: String,
+    pub key: String,
+    pub payment_id: Uuid,
+    /// What each store said.
+    pub evidence: String,
+    /// Present when repairs were asked for.
+    pub repair: Option<Repair>,
+}
+
+impl Finding {
+    pub fn new(class: Class, key: &ScopedKey, payment_id: Uuid, evidence: String) -> Self {
+        Self {
+            class,
+            client_id: key.client.to_string(),
+            key: key.key.as_str().to_owned(),
+            payment_id,
+            evidence,
+            repair: None,
+        }
+    }
+
+    fn resolved(&self) -> bool {
+        self.repair.as_ref().is_some_and(|r| r.resolved)
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub region: String,
+    pub repair: bool,
+    pub keys_scanned: usize,
+    pub ledger_rows_scanned: usize,
+    pub findings: Vec<Finding>,
+    pub indeterminate: Vec<Indeterminate>,
+    pub seconds: f64,
+}
+
+/// Found and repaired, for one class.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct Count {
+    pub found: usize,
+    pub repaired: usize,
+}
+
+impl Report {
+    /// Findings still standing: all of them in a report-only run.
+    pub fn unrepaired(&self) -> usize {
+        self.findings.iter().filter(|f| !f.resolved()).count()
+    }
+
+    pub fn counts(&self) -> BTreeMap<&'static str, Count> {
+        let mut counts: BTreeMap<&'static str, Count> =
+            Class::ALL.iter().map(|c| (c.as_str(), Count::default())).collect();
+        for finding in &self.findings {
+            let count = counts.entry(finding.class.as_str()).or_default();
+            count.found += 1;
+            count.repaired += usize::from(finding.resolved());
+        }
+        counts
+    }
+
+    /// The report as JSON, with the counts.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "region": self.region,
+            "mode": if self.repair { "repair" } else { "report" },
+            "keys_scanned": self.keys_scanned,
+            "ledger_rows_scanned": self.ledger_rows_scanned,
+            "seconds": self.seconds,
+            "counts": self.counts(),
+            "unrepaired": self.unrepaired(),
+            "findings": self.findings,
+            "indeterminate": self.indeterminate,
+        })
+    }
+
+    /// The report for people: findings, then a summary table.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        for f in &self.findings {
+            out += &format!("{:<17} client {} key {} payment {}\n", f.class.as_str(), f.client_id, f.key, f.payment_id);
+            out += &format!("{:<17}   {}\n", "", f.evidence);
+            if let Some(repair) = &f.repair {
+                let mark = if repair.resolved { "repaired" } else { "NOT repaired" };
+                out += &format!("{:<17}   {mark}: {}\n", "", repair.action);
+            }
+        }
+        out += &format!(
+            "\nregion {}: {} keys and {} ledger requests compared in {:.1} s ({})\n",
+            self.region,
+            self.keys_scanned,
+            self.ledger_rows_scanned,
+            self.seconds,
+            if self.repair { "repair" } else { "report only, nothing changed" }
+        );
+        out += &format!("{:<18} {:>7} {:>9}\n", "class", "found", "repaired");
+        for (class, count) in self.counts() {
+            out += &format!("{class:<18} {:>7} {:>9}\n", count.found, count.repaired);
+        }
+        out += &format!("unrepaired divergence: {}\n", self.unrepaired());
+        if !self.indeterminate.is_empty() {
+            out += &format!("indeterminate external calls, for settlement: {}\n", self.indeterminate.len());
+            for i in &self.indeterminate {
+                out += &format!(
+                    "  client {} key {} payment {} step {} derived key {} ({} attempts)\n",
+                    i.client_id, i.idem_key, i.payment_id, i.step, i.derived_key, i.attempts
+                );
+            }
+        }
+        out
+    }
+}
