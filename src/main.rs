@@ -181,7 +181,13 @@ async fn main() -> anyhow::Result<()> {
 /// Exit status 0: the stores agree (or every finding was repaired);
 /// 1: divergence remains; 2: the reconciler could not run.
 async fn reconcile(args: ReconcileArgs) -> anyhow::Result<()> {
-    let engine = startup::build_engine(&args.serve).await.context("connecting to the stores")?;
+    let engine = match startup::build_engine(&args.serve).await {
+        Ok(engine) => engine,
+        Err(e) => {
+            eprintln!("keyfence reconcile: connecting to the stores: {e}");
+            std::process::exit(2);
+        }
+    };
     let options = reconcile::Options {
         since: args.since.unwrap_or_default(),
         until: args.until.unwrap_or_else(|| Millis::now().plus(std::time::Duration::from_secs(1))),

@@ -18,5 +18,8 @@ mod ledger_phases;
 mod process;
 mod protocol_model;
 mod rail_outage;
+mod reconcile;
+#[cfg(feature = "failpoints")]
+mod reconcile_crashes;
 #[cfg(feature = "failpoints")]
 mod zombies;

@@ -1,0 +1,260 @@
+//! The reconciler, one divergence class at a time, on the real stores: each
+//! test makes one payment through the front door, puts the stores into the
+//! state a failure would leave, and checks detection, repair and the report.
+//! Then: report-only runs change nothing, and a second run finds nothing.
+
+use std::time::Duration;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
+use keyfence::keystore::{KeyState, KeyStore};
+use keyfence::reconcile::{self, Class, Options, Progress, Report};
+use keyfence::startup::build_engine;
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
+
+struct Quiet;
+
+impl Progress for Quiet {
+    fn scanned(&self, _: usize) {}
+    fn repairing(&self, _: usize) {}
+    fn repaired(&self) {}
+}
+
+/// One reconciler run over everything, with thresholds of zero.
+pub async fn reconcile(app: &TestApp, repair: bool) -> Report {
+    let engine = build_engine(&app.settings).await.unwrap();
+    let options = Options {
+        since: Millis::new(0),
+        until: Millis::now().plus(Duration::from_secs(60)),
+        repair,
+        stale_after: Duration::ZERO,
+        unknown_after: Duration::ZERO,
+        segments: 3,
+    };
+    reconcile::run(&engine, &options, &Quiet).await.unwrap()
+}
+
+fn classes(report: &Report) -> Vec<Class> {
+    report.findings.iter().map(|f| f.class).collect()
+}
+
+/// Pays once through the front door; returns the key and the 201's bytes.
+async fn pay_once(app: &TestApp, key: &str) -> (ScopedKey, Vec<u8>) {
+    let response = app.pay(key, &payment(&format!("E2E-{key}"))).await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let scoped = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(key).unwrap());
+    (scoped, response.bytes().await.unwrap().to_vec())
+}
+
+/// Erases a request from the ledger, as a failover to a replica that never
+/// got its commits would (history is append-only, so triggers are set aside).
+async fn lose_from_ledger(app: &TestApp, key: &ScopedKey) {
+    let mut tx = app.db.ledger.pool().begin().await.unwrap();
+    sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await.unwrap();
+    for table in ["outbox", "postings"] {
+        let sql = format!(
+            "DELETE FROM {table} WHERE payment_id IN (SELECT id FROM payments WHERE client_id = $1 AND idem_key = $2)"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(key.client.as_uuid())
+            .bind(key.key.as_str())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    for table in ["payments", "external_calls", "phase_runs", "requests"] {
+        let sql = format!("DELETE FROM {table} WHERE client_id = $1 AND idem_key = $2");
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(key.client.as_uuid())
+            .bind(key.key.as_str())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+fn pk(key: &ScopedKey) -> AttributeValue {
+    AttributeValue::S(key.partition_key())
+}
+
+/// A replay through the front door: same status and bytes, marked replayed.
+async fn assert_replays(app: &TestApp, key: &ScopedKey, bytes: &[u8]) {
+    let again = app.pay(key.key.as_str(), &payment(&format!("E2E-{}", key.key))).await;
+    assert_eq!(again.status(), StatusCode::CREATED);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.bytes().await.unwrap().to_vec(), bytes, "the replayed answer changed");
+}
+
+async fn assert_clean(app: &TestApp) {
+    let again = reconcile(app, false).await;
+    assert!(again.findings.is_empty(), "a second run still finds {:?}", classes(&again));
+}
+
+#[tokio::test]
+async fn a_payment_the_ledger_lost_is_rebuilt_once_from_the_key_and_the_rails() {
+    let app = spawn_app().await;
+    let (key, bytes) = pay_once(&app, "lost-1").await;
+    lose_from_ledger(&app, &key).await;
+    assert_eq!(app.count("payments").await, 0);
+
+    let report = reconcile(&app, false).await;
+    assert_eq!(classes(&report), [Class::PaymentMissing]);
+    assert_eq!(report.unrepaired(), 1);
+    assert_eq!(app.count("payments").await, 0, "report-only changes nothing");
+
+    let repaired = reconcile(&app, true).await;
+    assert_eq!(repaired.unrepaired(), 0, "{:?}", repaired.findings);
+    assert_eq!(app.count("payments").await, 1);
+    assert_eq!(app.unbalanced_payments().await, 0);
+    assert_eq!(app.count("postings").await, 6);
+    assert_eq!(app.e1.statement().await.len(), 1, "the rails were probed, not paid again");
+    assert_eq!(app.e2.statement().await.len(), 1);
+    let ledger_answer: Vec<u8> =
+        sqlx::query_scalar("SELECT response_body FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(ledger_answer, bytes, "the ledger holds the answer clients were given");
+    assert_replays(&app, &key, &bytes).await;
+    assert_clean(&app).await;
+}
+
+#[tokio::test]
+async fn a_lost_key_is_recreated_so_a_retry_replays_instead_of_paying_again() {
+    let app = spawn_app().await;
+    let (key, bytes) = pay_once(&app, "keyless-1").await;
+    let client = app.keys.store.client();
+    client.delete_item().table_name(app.keys.store.table()).key("pk", pk(&key)).send().await.unwrap();
+
+    let report = reconcile(&app, false).await;
+    assert_eq!(classes(&report), [Class::KeyMissing]);
+    let repaired = reconcile(&app, true).await;
+    assert_eq!(repaired.unrepaired(), 0, "{:?}", repaired.findings);
+    let item = app.keys.store.get(&key).await.unwrap().expect("the key is back");
+    assert_eq!(item.state, KeyState::Finished);
+    assert_replays(&app, &key, &bytes).await;
+    assert_eq!(app.count("payments").await, 1, "the retry did not pay again");
+    assert_eq!(app.e2.statement().await.len(), 1);
+    assert_clean(&app).await;
+}
+
+#[tokio::test]
+async fn a_leftover_of_a_request_finished_in_another_region_is_voided() {
+    let app = spawn_app().await;
+    let (key, _) = pay_once(&app, "moved-1").await;
+    // Another region took the request over (fence 3) and finished it there.
+    let client = app.keys.store.client();
+    client
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", pk(&key))
+        .update_expression("SET fence = :f, home_region = :r")
+        .expression_attribute_values(":f", AttributeValue::N("3".into()))
+        .expression_attribute_values(":r", AttributeValue::S("other-1".into()))
+        .send()
+        .await
+        .unwrap();
+
+    let report = reconcile(&app, false).await;
+    assert_eq!(classes(&report), [Class::FencedLeftover]);
+    let repaired = reconcile(&app, true).await;
+    assert_eq!(repaired.unrepaired(), 0, "{:?}", repaired.findings);
+    let (status, point): (String, String) =
+        sqlx::query_as("SELECT p.status, r.recovery_point FROM payments p JOIN requests r ON r.payment_id = p.id")
+            .fetch_one(app.db.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), point.as_str()), ("voided", "VOIDED"));
+    let open_balances: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT account FROM postings GROUP BY account HAVING sum(amount_minor) <> 0) a",
+    )
+    .fetch_one(app.db.ledger.pool())
+    .await
+    .unwrap();
+    assert_eq!(open_balances, 0, "every account this payment touched is back to zero");
+    // The debtor and the creditor still carried the payment: one
+    // compensating leg each; the six original legs stay in the history.
+    assert_eq!(app.count("postings").await, 6 + 2, "history kept, compensating entries added");
+    assert_clean(&app).await;
+}
+
+#[tokio::test]
+async fn an_answer_mismatch_is_reported_and_left_for_a_person() {
+    let app = spawn_app().await;
+    let (key, bytes) = pay_once(&app, "differs-1").await;
+    sqlx::query("UPDATE requests SET response_body = 'tampered'").execute(app.db.ledger.pool()).await.unwrap();
+
+    let report = reconcile(&app, true).await;
+    assert_eq!(classes(&report), [Class::AnswerMismatch]);
+    assert_eq!(report.unrepaired(), 1, "not repaired automatically");
+    assert!(report.table().contains("NOT repaired"));
+    assert_replays(&app, &key, &bytes).await;
+}
+
+#[tokio::test]
+async fn an_unknown_outcome_past_the_threshold_is_probed_and_settled_once_the_rail_answers() {
+    let app = spawn_app_with(|s| {
+        s.rail_timeout = Duration::from_millis(300);
+        s.max_unknown_attempts = 2;
+    })
+    .await;
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    let body = payment("E2E-unknown-1");
+    assert_eq!(app.pay("unknown-1", &body).await.status(), StatusCode::ACCEPTED);
+
+    let still_silent = reconcile(&app, true).await;
+    assert_eq!(classes(&still_silent), [Class::UnknownOutcome]);
+    assert_eq!(still_silent.unrepaired(), 1, "the rail still says nothing");
+    assert_eq!(still_silent.indeterminate.len(), 1, "listed for settlement");
+
+    app.e2.clear_faults().await;
+    let settled = reconcile(&app, true).await;
+    assert_eq!(settled.unrepaired(), 0, "{:?}", settled.findings);
+    assert!(settled.indeterminate.is_empty());
+    assert_eq!(app.e2.statement().await.len(), 1);
+    let retry = app.pay("unknown-1", &body).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_clean(&app).await;
+}
+
+#[tokio::test]
+async fn a_report_only_run_changes_nothing() {
+    let app = spawn_app().await;
+    let (lost, _) = pay_once(&app, "dry-1").await;
+    let (keyless, _) = pay_once(&app, "dry-2").await;
+    lose_from_ledger(&app, &lost).await;
+    app.keys
+        .store
+        .client()
+        .delete_item()
+        .table_name(app.keys.store.table())
+        .key("pk", pk(&keyless))
+        .send()
+        .await
+        .unwrap();
+
+    let before = snapshot(&app).await;
+    let report = reconcile(&app, false).await;
+    assert_eq!(report.findings.len(), 2);
+    assert!(report.findings.iter().all(|f| f.repair.is_none()));
+    assert_eq!(snapshot(&app).await, before, "a report-only run wrote something");
+}
+
+/// Everything both stores hold, in a comparable form.
+async fn snapshot(app: &TestApp) -> (Vec<String>, String) {
+    let (items, more) = app.keys.store.scan(0, 1, None).await.unwrap();
+    assert!(more.is_none(), "one page holds this test's keys");
+    let mut items: Vec<String> = items.iter().map(|item| format!("{item:?}")).collect();
+    items.sort();
+    let ledger: String = sqlx::query_scalar(
+        "SELECT concat_ws('|',
+            (SELECT string_agg(concat_ws(',', client_id, idem_key, fence, recovery_point, md5(response_body)), ';' ORDER BY idem_key) FROM requests),
+            (SELECT string_agg(concat_ws(',', id, status, fence), ';' ORDER BY id) FROM payments),
+            (SELECT count(*) FROM postings), (SELECT count(*) FROM external_calls), (SELECT count(*) FROM phase_runs))",
+    )
+    .fetch_one(app.db.ledger.pool())
+    .await
+    .unwrap();
+    (items, ledger)
+}
