@@ -21,6 +21,10 @@ use crate::domain::Millis;
 pub use error::LedgerError;
 pub use phase::{Phase, RequestRecord};
 
+/// How long to wait for a connection: an unreachable database fails
+/// start-up in seconds, and an exhausted pool is reported as unavailable.
+const ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The ledger's migrations, embedded in the binary.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
@@ -45,8 +49,11 @@ impl Ledger {
 
     /// Connects a pool to the configured database.
     pub async fn connect(settings: &LedgerSettings) -> Result<Self, LedgerError> {
-        let pool =
-            PgPoolOptions::new().max_connections(20).connect_with(settings.database_url.options().clone()).await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(settings.database_url.options().clone())
+            .await?;
         Ok(Self::new(pool))
     }
 
@@ -82,8 +89,11 @@ impl Ledger {
 /// Creates the configured database unless it exists; true if it created it.
 async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError> {
     let url = &settings.database_url;
-    let admin =
-        PgPoolOptions::new().max_connections(1).connect_with(url.with_database("postgres").options().clone()).await?;
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(url.with_database("postgres").options().clone())
+        .await?;
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
         .bind(url.database())
         .fetch_one(&admin)

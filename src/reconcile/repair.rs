@@ -61,10 +61,14 @@ pub async fn repair<K: KeyStore>(
 
 async fn rebuild<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Repair, EngineError> {
     let op = PaymentOperation::from_canonical(&key.request)?;
-    match engine.rebuild(key, &op).await? {
-        Answer::Final { .. } => Ok(resolved("rebuilt the payment from the stored request and the rails' records")),
-        Answer::Pending { .. } => Ok(unresolved("rebuilt up to a call whose outcome is unknown; run again later")),
-        other => Ok(unresolved(format!("rebuild stopped: {other:?}"))),
+    match engine.rebuild(key, &op).await {
+        Ok(Answer::Final { .. }) => Ok(resolved("rebuilt the payment from the stored request and the rails' records")),
+        Ok(Answer::Pending { .. }) => Ok(unresolved("rebuilt up to a call whose outcome is unknown; run again later")),
+        Ok(other) => Ok(unresolved(format!("rebuild stopped: {other:?}"))),
+        // A phase was already past where this rebuild stood: another
+        // reconciler is rebuilding it (if it dies, the next run resumes).
+        Err(EngineError::FencedOut) => Ok(resolved("another reconciler was already rebuilding it")),
+        Err(e) => Err(e),
     }
 }
 

@@ -7,6 +7,7 @@ mod app;
 mod crash;
 mod emulator;
 mod engine_costs;
+mod failover;
 mod front_door;
 mod front_door_faults;
 mod harness;

@@ -1,6 +1,6 @@
-//! `ServeProcess`: the real `keyfence serve` binary as a child process,
-//! wired to a test's own stack (table, database, rail simulators). Crash
-//! tests give it `FAILPOINTS` so it aborts or stalls at a boundary.
+//! The real `keyfence` binary as a child process, wired to a test's own
+//! stack (table, database, rail simulators). Crash tests give `serve`
+//! `FAILPOINTS` so it aborts or stalls at a boundary.
 
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -13,6 +13,29 @@ use crate::app::TestApp;
 /// Lease of spawned instances: short, so takeovers happen quickly.
 pub const LEASE_MS: u64 = 1000;
 
+/// `keyfence <subcommand>` with the environment of `app`'s stack.
+pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
+    let keys = &app.keys.settings;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_keyfence"));
+    command
+        .arg(subcommand)
+        .env("AWS_ENDPOINT_URL", keys.aws_endpoint_url.as_deref().unwrap_or("http://127.0.0.1:4566"))
+        .env("AWS_REGION", &keys.aws_region)
+        .env("KEYFENCE_TABLE", &keys.table)
+        .env("DATABASE_URL", &app.db.url)
+        .env("KEYFENCE_LISTEN", "127.0.0.1:0")
+        .env("KEYFENCE_REGION", "test-1")
+        .env("KEYFENCE_E1_URL", &app.e1.url)
+        .env("KEYFENCE_E2_URL", &app.e2.url)
+        .env("KEYFENCE_LEASE_MS", LEASE_MS.to_string())
+        .env("KEYFENCE_RAIL_TIMEOUT_MS", "1000")
+        .env("RUST_LOG", "warn")
+        .env_remove("FAILPOINTS")
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    command
+}
+
 pub struct ServeProcess {
     child: Child,
     pub url: String,
@@ -22,26 +45,8 @@ impl ServeProcess {
     /// Starts an instance of the service on `app`'s stack. `recovery_ms` 0
     /// means no recovery worker in this instance.
     pub async fn start(app: &TestApp, failpoints: Option<&str>, recovery_ms: u64) -> Self {
-        let keys = &app.keys.settings;
-        let mut command = Command::new(env!("CARGO_BIN_EXE_keyfence"));
-        command
-            .arg("serve")
-            .env("AWS_ENDPOINT_URL", keys.aws_endpoint_url.as_deref().unwrap_or("http://127.0.0.1:4566"))
-            .env("AWS_REGION", &keys.aws_region)
-            .env("KEYFENCE_TABLE", &keys.table)
-            .env("DATABASE_URL", &app.db.url)
-            .env("KEYFENCE_LISTEN", "127.0.0.1:0")
-            .env("KEYFENCE_REGION", "test-1")
-            .env("KEYFENCE_E1_URL", &app.e1.url)
-            .env("KEYFENCE_E2_URL", &app.e2.url)
-            .env("KEYFENCE_LEASE_MS", LEASE_MS.to_string())
-            .env("KEYFENCE_RAIL_TIMEOUT_MS", "1000")
-            .env("KEYFENCE_RECOVERY_INTERVAL_MS", recovery_ms.to_string())
-            .env("RUST_LOG", "warn")
-            .env_remove("FAILPOINTS")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true);
+        let mut command = keyfence_command(app, "serve");
+        command.env("KEYFENCE_RECOVERY_INTERVAL_MS", recovery_ms.to_string()).stdout(Stdio::piped());
         if let Some(failpoints) = failpoints {
             command.env("FAILPOINTS", failpoints);
         }
