@@ -37,6 +37,8 @@ enum Command {
     Reconcile(Box<ReconcileArgs>),
     /// Measure a running front door against the floor of its store and rail calls.
     Bench(Box<BenchArgs>),
+    /// Measure the reconciler's scan and repair rates at several table sizes.
+    BenchReconcile(Box<BenchReconcileArgs>),
 }
 
 #[derive(Args)]
@@ -110,6 +112,21 @@ impl reconcile::Progress for Bar {
 }
 
 #[derive(Args)]
+struct BenchReconcileArgs {
+    /// Numbers of keys to measure at, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "10000,100000")]
+    sizes: Vec<usize>,
+    /// Share of payments erased from the ledger for the divergent runs.
+    #[arg(long, default_value_t = 0.01)]
+    divergent: f64,
+    /// Where to write the figures (JSON).
+    #[arg(long, default_value = "bench-results/reconcile.json")]
+    out: std::path::PathBuf,
+    #[command(flatten)]
+    serve: ServeSettings,
+}
+
+#[derive(Args)]
 struct BenchArgs {
     /// The front door to measure.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
@@ -175,7 +192,34 @@ async fn main() -> anyhow::Result<()> {
         Command::Bench(args) => bench(*args).await,
         Command::Recover(args) => recover(*args).await,
         Command::Reconcile(args) => reconcile(*args).await,
+        Command::BenchReconcile(args) => bench_reconcile(*args).await,
     }
+}
+
+async fn bench_reconcile(args: BenchReconcileArgs) -> anyhow::Result<()> {
+    let figures = bench::reconcile::run(&args.serve, &args.sizes, args.divergent).await?;
+    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_vec_pretty(&figures)?)?;
+    println!(
+        "{:>8} {:>8} {:>12} {:>10} {:>12} {:>10} {:>12}",
+        "keys", "load s", "clean keys/s", "divergent", "report keys/s", "repair s", "repairs/s"
+    );
+    for (f, relative) in figures.sizes.iter().zip(&figures.seconds_per_key_relative) {
+        println!(
+            "{:>8} {:>8.1} {:>12.0} {:>10} {:>12.0} {:>10.1} {:>12.1}   (seconds per key x{relative:.2} of the smallest)",
+            f.keys,
+            f.load_seconds,
+            f.clean_keys_per_second,
+            f.divergent,
+            f.report_keys_per_second,
+            f.repair_seconds,
+            f.repairs_per_second
+        );
+    }
+    println!("figures written to {}", args.out.display());
+    Ok(())
 }
 
 /// Exit status 0: the stores agree (or every finding was repaired);
@@ -247,19 +291,19 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let ledger = Ledger::connect(&s.ledger).await.context("connecting to the ledger")?;
     let api_key = ApiKey::generate();
     ledger.create_client("bench", &api_key).await.context("creating the bench client")?;
-    let floor = bench::Floor {
+    let floor = bench::front_door::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
         ledger,
         e1: RailClient::new(&s.e1_url, s.rail_timeout),
         e2: RailClient::new(&s.e2_url, s.rail_timeout),
     };
-    let plan = bench::BenchPlan {
+    let plan = bench::front_door::BenchPlan {
         url: args.url.clone(),
         api_key: api_key.reveal().to_owned(),
         requests: args.requests,
         concurrency: args.concurrency,
     };
-    let report = bench::run(&plan, &floor).await;
+    let report = bench::front_door::run(&plan, &floor).await;
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }

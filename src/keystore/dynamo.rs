@@ -16,7 +16,9 @@ use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkErro
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::put_item::PutItemError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
-use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
+use aws_sdk_dynamodb::types::{
+    AttributeValue, PutRequest, ReturnValue, ReturnValuesOnConditionCheckFailure, WriteRequest,
+};
 
 use super::item::{attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{Claim, Finish, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey};
@@ -70,6 +72,33 @@ impl DynamoKeyStore {
 
     pub fn table(&self) -> &str {
         &self.table
+    }
+
+    /// Writes items unconditionally, 25 to a request: bulk loading for
+    /// benchmarks and drills only, never for requests (it bypasses every
+    /// condition the protocol relies on).
+    pub async fn seed(&self, items: &[KeyItem]) -> Result<(), KeyStoreError> {
+        for chunk in items.chunks(25) {
+            let mut pending: Vec<WriteRequest> = chunk
+                .iter()
+                .map(|item| {
+                    let put = PutRequest::builder().set_item(Some(encode(item))).build();
+                    put.map(|p| WriteRequest::builder().put_request(p).build())
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| KeyStoreError::Fault(e.to_string()))?;
+            while !pending.is_empty() {
+                let out = self
+                    .client
+                    .batch_write_item()
+                    .request_items(&self.table, pending)
+                    .send()
+                    .await
+                    .map_err(|e| store_error(&e))?;
+                pending = out.unprocessed_items().and_then(|u| u.get(&self.table)).cloned().unwrap_or_default();
+            }
+        }
+        Ok(())
     }
 
     fn pk(key: &ScopedKey) -> AttributeValue {

@@ -22,6 +22,8 @@ use crate::keystore::{Claim, DynamoKeyStore, Finish, KeyStore, Lease};
 use crate::ledger::Ledger;
 use crate::rail::{CallOutcome, Instruction, RailClient};
 
+use super::percentile;
+
 /// Where and how hard to push.
 pub struct BenchPlan {
     pub url: String,
@@ -192,14 +194,6 @@ where
         p99_ms: percentile(&latencies, 0.99),
         statuses,
     }
-}
-
-fn percentile(sorted: &[Duration], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let index = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[index].as_secs_f64() * 1000.0
 }
 
 impl Report {
