@@ -29,11 +29,17 @@ pub struct SizeFigures {
     /// Report-only over consistent stores.
     pub clean_seconds: f64,
     pub clean_keys_per_second: f64,
+    /// Of the clean run: waiting on key-table scan pages / on the ledger,
+    /// summed over segments.
+    pub clean_key_store_seconds: f64,
+    pub clean_ledger_seconds: f64,
     /// Payments erased from the ledger before the next two runs.
     pub divergent: usize,
     pub report_seconds: f64,
     pub report_keys_per_second: f64,
+    /// The whole repairing run, its scan included.
     pub repair_seconds: f64,
+    /// Repairs over the repairing run's time beyond the report run's.
     pub repairs_per_second: f64,
     pub found: usize,
     pub repaired: usize,
@@ -42,9 +48,11 @@ pub struct SizeFigures {
 #[derive(Debug, Clone, Serialize)]
 pub struct Figures {
     pub sizes: Vec<SizeFigures>,
-    /// Clean-scan seconds per key at each size over that at the smallest:
+    /// Clean-run seconds per key at each size over that at the smallest:
     /// near 1.0 everywhere means time grows linearly with keys.
     pub seconds_per_key_relative: Vec<f64>,
+    /// The same for the time spent in the ledger alone.
+    pub ledger_seconds_per_key_relative: Vec<f64>,
 }
 
 /// A progress reporter that says nothing (the bench prints its own lines).
@@ -64,15 +72,22 @@ pub async fn run(settings: &ServeSettings, sizes: &[usize], divergent_share: f64
         eprintln!("bench-reconcile: {size} keys");
         figures.push(one_size(settings, size, divergent_share).await?);
     }
-    let base = figures.first().map(|f| f.clean_seconds / f.keys.max(1) as f64).unwrap_or(1.0);
-    let relative = figures.iter().map(|f| (f.clean_seconds / f.keys.max(1) as f64) / base.max(f64::EPSILON)).collect();
-    Ok(Figures { sizes: figures, seconds_per_key_relative: relative })
+    let relative = |seconds: fn(&SizeFigures) -> f64| -> Vec<f64> {
+        let per_key = |f: &SizeFigures| seconds(f) / f.keys.max(1) as f64;
+        let base = figures.first().map(per_key).unwrap_or(1.0).max(f64::EPSILON);
+        figures.iter().map(|f| per_key(f) / base).collect()
+    };
+    let seconds_per_key_relative = relative(|f| f.clean_seconds);
+    let ledger_seconds_per_key_relative = relative(|f| f.clean_ledger_seconds);
+    Ok(Figures { sizes: figures, seconds_per_key_relative, ledger_seconds_per_key_relative })
 }
 
 async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -> Result<SizeFigures, EngineError> {
     let suffix = Uuid::new_v4().simple().to_string()[..8].to_owned();
     let mut keys_settings = settings.keys.clone();
     keys_settings.table = format!("keyfence-bench-{suffix}");
+    // A scan page of a large table can take the local emulator seconds.
+    keys_settings.attempt_timeout = keys_settings.attempt_timeout.max(Duration::from_secs(120));
     let mut ledger_settings = settings.ledger.clone();
     ledger_settings.database_url = ledger_settings.database_url.with_database(&format!("keyfence_bench_{suffix}"));
 
@@ -127,11 +142,14 @@ async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -
         load_seconds,
         clean_seconds,
         clean_keys_per_second: size as f64 / clean_seconds,
+        clean_key_store_seconds: clean.key_store_seconds,
+        clean_ledger_seconds: clean.ledger_seconds,
         divergent,
         report_seconds,
         report_keys_per_second: size as f64 / report_seconds,
         repair_seconds,
-        repairs_per_second: divergent as f64 / repair_seconds,
+        // The repairing run scans like the report run; the rest is repairs.
+        repairs_per_second: divergent as f64 / (repair_seconds - report_seconds).max(f64::EPSILON),
         found: report.findings.len(),
         repaired: repaired.findings.len() - repaired.unrepaired(),
     })

@@ -2,7 +2,8 @@
 //! the recovery worker (or the reconciler) is taken over with the fence
 //! protocol, exactly as a client retry would, so any number of recoverers
 //! and retries can race for it and one wins. Keys whose home is another
-//! region are left alone.
+//! region are left alone. And rebuilding, for the reconciler, a finished
+//! request whose ledger record a failover lost.
 
 use crate::domain::{Millis, Owner, RecoveryPoint};
 use crate::keystore::{KeyItem, KeyStore, KeyStoreError, Lease, StaleKey};

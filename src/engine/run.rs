@@ -74,6 +74,11 @@ fn stretch<'s>(steps: &'s [Step], outcome_of: Option<&'s ExternalStep>, from: us
     work
 }
 
+/// The derived key of `ext` as the external system receives it.
+fn wire_key(attempt: &Attempt, ext: &ExternalStep) -> String {
+    derived_key(&attempt.record.key, ext.name).simple().to_string()
+}
+
 /// How an external step settled.
 enum Settled {
     Applied(Applied),
@@ -177,7 +182,7 @@ impl<K: KeyStore> Engine<K> {
         ext: &ExternalStep,
     ) -> Result<Settled, EngineError> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
-        let key = derived_key(&attempt.record.key, ext.name).simple().to_string();
+        let key = wire_key(attempt, ext);
         match self.rails.get(ext.rail).send(&key, &op.instruction(ext)).await {
             CallOutcome::Applied(applied) => {
                 failpoint::boundary(|| format!("after-call:{}", ext.name));
@@ -199,7 +204,7 @@ impl<K: KeyStore> Engine<K> {
         ext: &ExternalStep,
     ) -> Result<Settled, EngineError> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
-        let key = derived_key(&attempt.record.key, ext.name).simple().to_string();
+        let key = wire_key(attempt, ext);
         match self.rails.get(ext.rail).probe(&key).await {
             ProbeOutcome::Found(applied) => Ok(Settled::Applied(applied)),
             ProbeOutcome::NotFound => self.call(op, attempt, ext).await,

@@ -46,10 +46,6 @@ impl Phase {
         &mut self.tx
     }
 
-    pub fn fence(&self) -> Fence {
-        self.fence
-    }
-
     /// Notes that the request reached `point` in this phase. The primary key
     /// of `phase_runs` makes a phase that already ran fail its transaction.
     pub async fn record_point(&mut self, request: &RequestRecord, point: &RecoveryPoint) -> Result<(), LedgerError> {

@@ -46,10 +46,6 @@ impl RailClient {
         Self { http, base: base.trim_end_matches('/').to_owned(), retries: 2 }
     }
 
-    pub fn base(&self) -> &str {
-        &self.base
-    }
-
     /// Sends `instruction` under `key`, retrying a definite refusal a few
     /// times with backoff; an unknown outcome is returned at once.
     #[tracing::instrument(skip(self, instruction), fields(rail = %self.base))]

@@ -69,19 +69,25 @@ pub async fn run<K: KeyStore>(
     let found: Mutex<Vec<Found>> = Mutex::default();
     let seen: Mutex<HashSet<RequestId>> = Mutex::default();
     let scanned = Mutex::new(0_usize);
+    // Time spent waiting on each store, summed over segments.
+    let waited = Mutex::new((Duration::ZERO, Duration::ZERO));
 
     let segments = (0..options.segments.max(1)).map(|segment| {
-        let (found, seen, scanned) = (&found, &seen, &scanned);
+        let (found, seen, scanned, waited) = (&found, &seen, &scanned, &waited);
         async move {
             let mut cursor = None;
             loop {
+                let asked = Instant::now();
                 let (items, next) = engine.keys().scan(segment, options.segments.max(1), cursor).await?;
+                lock(waited).0 += asked.elapsed();
                 let items: Vec<KeyItem> = items
                     .into_iter()
                     .filter(|i| i.created_at >= options.since && i.created_at < options.until)
                     .collect();
                 let wanted: Vec<_> = items.iter().map(|i| (i.key.clone(), i.created_at)).collect();
+                let asked = Instant::now();
                 let views = engine.ledger().views(&wanted).await?;
+                lock(waited).1 += asked.elapsed();
                 for item in items {
                     let id = (item.key.partition_key(), item.created_at);
                     let view = views.get(&id).cloned();
@@ -110,7 +116,9 @@ pub async fn run<K: KeyStore>(
 
     // Ledger requests whose key is gone. The scan is not a snapshot, so a
     // key is declared missing only after a consistent read finds nothing.
+    let asked = Instant::now();
     let ledger_rows = engine.ledger().requests_between(options.since, options.until).await?;
+    lock(&waited).1 += asked.elapsed();
     let seen = seen.into_inner().unwrap_or_else(|p| p.into_inner());
     for view in &ledger_rows {
         if seen.contains(&(view.record.key.partition_key(), view.record.created_at)) {
@@ -141,7 +149,10 @@ pub async fn run<K: KeyStore>(
             .await;
         drop(repaired);
     }
+    let (key_store_seconds, ledger_seconds) = waited.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok(Report {
+        key_store_seconds: key_store_seconds.as_secs_f64(),
+        ledger_seconds: ledger_seconds.as_secs_f64(),
         region: engine.region().to_owned(),
         repair: options.repair,
         keys_scanned: scanned.into_inner().unwrap_or_else(|p| p.into_inner()),

@@ -50,6 +50,10 @@ pub struct Report {
     pub findings: Vec<Finding>,
     pub indeterminate: Vec<Indeterminate>,
     pub seconds: f64,
+    /// Time spent waiting on key-table scan pages, summed over segments.
+    pub key_store_seconds: f64,
+    /// Time spent in ledger queries during the comparison, summed over segments.
+    pub ledger_seconds: f64,
 }
 
 /// Found and repaired, for one class.
@@ -84,6 +88,8 @@ impl Report {
             "keys_scanned": self.keys_scanned,
             "ledger_rows_scanned": self.ledger_rows_scanned,
             "seconds": self.seconds,
+            "key_store_seconds": self.key_store_seconds,
+            "ledger_seconds": self.ledger_seconds,
             "counts": self.counts(),
             "unrepaired": self.unrepaired(),
             "findings": self.findings,

@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 use aws_sdk_dynamodb::types::AttributeValue;
-use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
-use keyfence::keystore::{KeyState, KeyStore};
+use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
+use keyfence::engine::derived_key;
+use keyfence::keystore::{KeyItem, KeyState, KeyStore};
 use keyfence::reconcile::{self, Class, Options, Progress, Report};
 use keyfence::startup::build_engine;
 use reqwest::StatusCode;
@@ -257,4 +258,42 @@ async fn snapshot(app: &TestApp) -> (Vec<String>, String) {
     .await
     .unwrap();
     (items, ledger)
+}
+
+#[tokio::test]
+async fn a_finished_key_whose_instructions_never_reached_the_rails_is_completed_with_the_same_keys() {
+    let app = spawn_app().await;
+    // The key store says finished (restored from another region's work,
+    // say), but neither this ledger nor the rails ever saw the payment.
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("unsent-1").unwrap());
+    let body = payment("E2E-unsent-1");
+    let canonical = serde_jcs::to_vec(&body).unwrap();
+    let answer = StoredResponse { status: 201, headers: Default::default(), body: b"{\"id\":\"unsent\"}".to_vec() };
+    let item = KeyItem {
+        key: key.clone(),
+        request_hash: RequestHash::of("POST", "/v1/payments", &canonical),
+        request: canonical,
+        state: KeyState::Finished,
+        fence: Fence::new(2),
+        lease_until: Millis::new(0),
+        owner: Owner::attempt_of("elsewhere"),
+        home_region: "test-1".into(),
+        created_at: Millis::now(),
+        payment_id: uuid::Uuid::now_v7(),
+        response: Some(answer.clone()),
+        expires_at: None,
+    };
+    app.keys.store.restore(&item).await.unwrap();
+
+    let repaired = reconcile(&app, true).await;
+    assert_eq!(classes(&repaired), [Class::PaymentMissing]);
+    assert_eq!(repaired.unrepaired(), 0, "{}", repaired.table());
+    let derived = |step: &str| derived_key(&key, step).simple().to_string();
+    let e1: Vec<_> = app.e1.statement().await.into_iter().map(|a| a.idempotency_key).collect();
+    let e2: Vec<_> = app.e2.statement().await.into_iter().map(|a| a.idempotency_key).collect();
+    assert_eq!((e1, e2), (vec![derived("ext1")], vec![derived("ext2")]), "sent once, under the derived keys");
+    assert_eq!(app.count("payments").await, 1);
+    assert_eq!(app.unbalanced_payments().await, 0);
+    assert_replays(&app, &key, &answer.body).await;
+    assert_clean(&app).await;
 }
