@@ -6,7 +6,6 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
-use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use super::extract::Caller;
@@ -28,9 +27,7 @@ pub async fn show(
         .await
         .map_err(EngineError::from)?
         .ok_or(ApiError::NotFound)?;
-    let created_at = OffsetDateTime::from_unix_timestamp_nanos(i128::from(item.created_at.get()) * 1_000_000)
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok());
+    let created_at = crate::ledger::timestamp(item.created_at).format(&Rfc3339).ok();
     Ok(Json(json!({
         "key": item.key.key.as_str(),
         "state": item.state.as_str(),

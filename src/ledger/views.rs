@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use futures::{Stream, StreamExt};
 use sqlx::FromRow;
 use sqlx::types::Json;
 use time::OffsetDateTime;
@@ -113,20 +114,24 @@ impl Ledger {
             .collect()
     }
 
-    /// Every request created in `[since, until)`, oldest first.
-    pub async fn requests_between(&self, since: Millis, until: Millis) -> Result<Vec<LedgerView>, LedgerError> {
+    /// Every request created in `[since, until)`, oldest first, streamed so
+    /// a wide window never has to fit in memory.
+    pub fn requests_between(
+        &self,
+        since: Millis,
+        until: Millis,
+    ) -> impl Stream<Item = Result<LedgerView, LedgerError>> + Send + '_ {
         let query = format!(
             "SELECT {VIEW_COLUMNS}
                FROM requests r LEFT JOIN payments p ON p.id = r.payment_id
               WHERE r.created_at >= $1 AND r.created_at < $2
               ORDER BY r.created_at"
         );
-        let rows: Vec<ViewRow> = sqlx::query_as(sqlx::AssertSqlSafe(query))
+        sqlx::query_as::<_, ViewRow>(sqlx::AssertSqlSafe(query))
             .bind(timestamp(since))
             .bind(timestamp(until))
-            .fetch_all(&self.pool)
-            .await?;
-        rows.into_iter().map(ViewRow::into_view).collect()
+            .fetch(&self.pool)
+            .map(|row| row.map_err(LedgerError::from).and_then(ViewRow::into_view))
     }
 
     /// Replaces the stored answer of a finished request (fence-checked), so

@@ -116,20 +116,23 @@ pub async fn run<K: KeyStore>(
 
     // Ledger requests whose key is gone. The scan is not a snapshot, so a
     // key is declared missing only after a consistent read finds nothing.
-    let asked = Instant::now();
-    let ledger_rows = engine.ledger().requests_between(options.since, options.until).await?;
-    lock(&waited).1 += asked.elapsed();
     let seen = seen.into_inner().unwrap_or_else(|p| p.into_inner());
-    for view in &ledger_rows {
-        if seen.contains(&(view.record.key.partition_key(), view.record.created_at)) {
-            continue;
-        }
-        let Some(class) = classify_orphan(view) else { continue };
-        if engine.keys().get(&view.record.key).await?.is_none() {
+    let mut ledger_rows_scanned = 0;
+    let mut rows = std::pin::pin!(engine.ledger().requests_between(options.since, options.until));
+    let mut asked = Instant::now();
+    while let Some(view) = rows.next().await {
+        lock(&waited).1 += asked.elapsed();
+        let view = view?;
+        ledger_rows_scanned += 1;
+        let orphan = !seen.contains(&(view.record.key.partition_key(), view.record.created_at));
+        if let Some(class) = classify_orphan(&view).filter(|_| orphan)
+            && engine.keys().get(&view.record.key).await?.is_none()
+        {
             let evidence = format!("ledger at {} under fence {}; no key item", view.recovery_point, view.fence);
             let finding = Finding::new(class, &view.record.key, view.record.payment_id, evidence);
-            lock(&found).push((finding, None, Some(view.clone())));
+            lock(&found).push((finding, None, Some(view)));
         }
+        asked = Instant::now();
     }
 
     let mut found = found.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -156,7 +159,7 @@ pub async fn run<K: KeyStore>(
         region: engine.region().to_owned(),
         repair: options.repair,
         keys_scanned: scanned.into_inner().unwrap_or_else(|p| p.into_inner()),
-        ledger_rows_scanned: ledger_rows.len(),
+        ledger_rows_scanned,
         findings: found.into_iter().map(|(finding, _, _)| finding).collect(),
         indeterminate: engine.ledger().indeterminate().await?,
         seconds: started.elapsed().as_secs_f64(),
