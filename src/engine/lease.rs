@@ -17,6 +17,9 @@ pub(super) struct Attempt {
     pub lease_until: Millis,
     /// The last recovery point committed (by anyone, as of our adoption).
     pub at: RecoveryPoint,
+    /// A commit was sent: even if its answer was lost, the ledger may hold
+    /// work, so the key must never be forgotten.
+    pub commit_attempted: bool,
 }
 
 impl Attempt {
@@ -33,6 +36,7 @@ impl Attempt {
             fence: item.fence,
             lease_until: item.lease_until,
             at,
+            commit_attempted: false,
         }
     }
 

@@ -169,6 +169,7 @@ impl<K: KeyStore> Engine<K> {
             }
         }
         failpoint::boundary(|| format!("before-commit:{to}"));
+        attempt.commit_attempted = true;
         attempt.at = phase.commit().await?;
         failpoint::boundary(|| format!("after-commit:{to}"));
         Ok(())
@@ -241,10 +242,12 @@ impl<K: KeyStore> Engine<K> {
         }
     }
 
-    /// Gives the key back after a failure: forgotten if nothing was ever
-    /// committed, else reopened so the next actor resumes at once.
+    /// Gives the key back after a failure: forgotten if no commit was ever
+    /// attempted (a commit whose answer was lost may have landed), else
+    /// reopened so the next actor resumes at once.
     async fn hand_back(&self, attempt: &Attempt) {
-        let how = if attempt.at == RecoveryPoint::STARTED { Release::Forget } else { Release::Reopen };
+        let untouched = attempt.at == RecoveryPoint::STARTED && !attempt.commit_attempted;
+        let how = if untouched { Release::Forget } else { Release::Reopen };
         if let Err(e) = self.keys.release(&attempt.record.key, attempt.fence, how).await {
             tracing::warn!(key = %attempt.record.key, error = %e, "could not hand the key back; its lease will expire");
         }

@@ -8,13 +8,12 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::domain::{Millis, Owner, RequestHash, ScopedKey};
+use crate::domain::{Millis, Owner, RecoveryPoint, RequestHash, ScopedKey};
+use crate::failpoint;
 use crate::keystore::{Claim, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
 
 use super::lease::Attempt;
 use super::{Answer, Engine, EngineError, Operation};
-use crate::domain::RecoveryPoint;
-use crate::failpoint;
 
 /// A request as the engine receives it.
 pub struct Submission<O> {
