@@ -2,7 +2,9 @@
 //! reference model (`MemoryKeyStore`), the ledger and the rails are small
 //! models of their own, and up to three owners act in random interleavings
 //! with crashes, stalls (an owner simply not scheduled while the clock
-//! runs), lease expiries, unknown outcomes and retries. Each owner follows
+//! runs), lease expiries, unknown outcomes, failed transactions (before the
+//! commit is sent, or a commit that landed but whose answer was lost) and
+//! retries. Each owner follows
 //! the engine's rules: claim or take over, adopt the ledger row, one fenced
 //! transaction per stretch, intent before every call, probe-or-send on
 //! resume, publish the ledger's answer. After every action:
@@ -10,7 +12,9 @@
 //!   older owner writes to the ledger again;
 //! - no call is sent without its intent committed, and each rail applies a
 //!   step at most once;
-//! - a finished answer never changes and is the ledger's.
+//! - a finished answer never changes and is the ledger's;
+//! - the key store never forgets a request the ledger holds (a new claim
+//!   would start a second request, and a second payment).
 //!
 //! Then, with no more crashes, a last retry must finish the request with
 //! every effect exactly once.
@@ -74,14 +78,26 @@ enum Actor {
     },
 }
 
+/// How a phase transaction fails, if it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TxnFault {
+    None,
+    /// The transaction fails before its commit is sent: nothing lands.
+    BeforeCommit,
+    /// The commit lands, but its answer never reaches the owner.
+    AnswerLost,
+}
+
 #[derive(Clone, Debug)]
 enum Action {
     /// The actor takes its next step; `unknown` makes a call's outcome unknown
-    /// (`applied` says whether the rail applied it anyway).
+    /// (`applied` says whether the rail applied it anyway), `fault` makes a
+    /// transaction fail.
     Step {
         actor: usize,
         unknown: bool,
         applied: bool,
+        fault: TxnFault,
     },
     Crash {
         actor: usize,
@@ -93,11 +109,15 @@ enum Action {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        6 => (0..ACTORS, prop::bool::weighted(0.2), any::<bool>())
-            .prop_map(|(actor, unknown, applied)| Action::Step { actor, unknown, applied }),
+        6 => (0..ACTORS, prop::bool::weighted(0.2), any::<bool>(), txn_fault())
+            .prop_map(|(actor, unknown, applied, fault)| Action::Step { actor, unknown, applied, fault }),
         1 => (0..ACTORS).prop_map(|actor| Action::Crash { actor }),
         2 => (0..1500_u64).prop_map(|ms| Action::Advance { ms }),
     ]
+}
+
+fn txn_fault() -> impl Strategy<Value = TxnFault> {
+    prop_oneof![8 => Just(TxnFault::None), 1 => Just(TxnFault::BeforeCommit), 1 => Just(TxnFault::AnswerLost)]
 }
 
 struct World {
@@ -183,7 +203,15 @@ impl World {
         }
     }
 
-    fn step(&mut self, index: usize, unknown: bool, applied: bool) {
+    /// The engine's hand-back after a failed transaction: the key is
+    /// forgotten only if nothing can have reached the ledger (no row was
+    /// adopted and no commit was sent); otherwise it is reopened.
+    fn hand_back(&mut self, fence: Fence, at: usize, fault: TxnFault) {
+        let how = if at == 0 && fault == TxnFault::BeforeCommit { Release::Forget } else { Release::Reopen };
+        let _ = block_on(self.keys.release(&self.claim.key, fence, how));
+    }
+
+    fn step(&mut self, index: usize, unknown: bool, applied: bool, fault: TxnFault) {
         let actor = self.actors[index].clone();
         let Actor::Owner { owner, fence, mut lease_until, at, outcome_in_hand, checked } = actor else {
             self.actors[index] = self.present();
@@ -234,6 +262,9 @@ impl World {
             let to = stretch_end(at);
             if !self.ledger.admits(fence, Some(at)) {
                 Actor::Idle
+            } else if fault == TxnFault::BeforeCommit {
+                self.hand_back(fence, at, fault);
+                Actor::Idle
             } else {
                 if let Some((newest, _)) = self.ledger.row {
                     assert!(fence >= newest, "fence {fence} wrote after fence {newest} adopted the request");
@@ -253,7 +284,12 @@ impl World {
                     });
                 }
                 self.ledger.row = Some((fence, to));
-                Actor::Owner { owner, fence, lease_until, at: to, outcome_in_hand: false, checked: false }
+                if fault == TxnFault::AnswerLost {
+                    self.hand_back(fence, at, fault);
+                    Actor::Idle
+                } else {
+                    Actor::Owner { owner, fence, lease_until, at: to, outcome_in_hand: false, checked: false }
+                }
             }
         };
         self.actors[index] = next;
@@ -262,9 +298,13 @@ impl World {
 
     fn apply(&mut self, action: &Action) {
         match *action {
-            Action::Step { actor, unknown, applied } => self.step(actor, unknown, applied),
+            Action::Step { actor, unknown, applied, fault } => self.step(actor, unknown, applied, fault),
             Action::Crash { actor } => self.actors[actor] = Actor::Idle,
             Action::Advance { ms } => self.now = self.now.plus(Duration::from_millis(ms)),
+        }
+        if self.ledger.row.is_some() {
+            let item = block_on(self.keys.get(&self.claim.key)).unwrap();
+            assert!(item.is_some(), "the key store forgot a request the ledger holds, after {action:?}");
         }
     }
 
@@ -276,7 +316,7 @@ impl World {
                 return;
             }
             self.now = self.now.plus(LEASE / 2);
-            self.step(0, false, false);
+            self.step(0, false, false, TxnFault::None);
         }
         panic!("the request never finished: ledger at {:?}", self.ledger.row);
     }
