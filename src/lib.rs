@@ -15,7 +15,7 @@
 //!   phases and external calls, resuming from the recovery point.
 //! - [`http`]: the axum front door; validates input and calls the engine.
 //! - [`config`], [`startup`], [`telemetry`], [`bench`]: settings, building
-//!   the service, logging and load measurement, for the `keyfence` binary.
+//!   the service, logs and trace export, load measurement, for the `keyfence` binary.
 
 pub mod bench;
 pub mod config;

@@ -2,6 +2,7 @@
 //! parses its settings and calls one library function.
 
 use std::net::SocketAddr;
+use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
@@ -180,20 +181,24 @@ struct RailSimArgs {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    telemetry::init();
+async fn main() -> anyhow::Result<ExitCode> {
+    let cli = Cli::parse();
+    let telemetry = telemetry::init()?;
     #[cfg(feature = "failpoints")]
     let _failpoints = keyfence::failpoint::from_env();
-    match Cli::parse().command {
-        Command::Serve(settings) => serve(*settings).await,
-        Command::Migrate(args) => migrate(args).await,
-        Command::Clients(ClientsCommand::Add { name, ledger, json }) => add_client(&name, &ledger, json).await,
-        Command::RailSim(args) => rail_sim(args).await,
-        Command::Bench(args) => bench(*args).await,
-        Command::Recover(args) => recover(*args).await,
+    let done = |result: anyhow::Result<()>| result.map(|()| ExitCode::SUCCESS);
+    let outcome = match cli.command {
+        Command::Serve(settings) => done(serve(*settings).await),
+        Command::Migrate(args) => done(migrate(args).await),
+        Command::Clients(ClientsCommand::Add { name, ledger, json }) => done(add_client(&name, &ledger, json).await),
+        Command::RailSim(args) => done(rail_sim(args).await),
+        Command::Bench(args) => done(bench(*args).await),
+        Command::Recover(args) => done(recover(*args).await),
         Command::Reconcile(args) => reconcile(*args).await,
-        Command::BenchReconcile(args) => bench_reconcile(*args).await,
-    }
+        Command::BenchReconcile(args) => done(bench_reconcile(*args).await),
+    };
+    telemetry.shutdown().await;
+    outcome
 }
 
 async fn bench_reconcile(args: BenchReconcileArgs) -> anyhow::Result<()> {
@@ -230,12 +235,12 @@ async fn bench_reconcile(args: BenchReconcileArgs) -> anyhow::Result<()> {
 
 /// Exit status 0: the stores agree (or every finding was repaired);
 /// 1: divergence remains; 2: the reconciler could not run.
-async fn reconcile(args: ReconcileArgs) -> anyhow::Result<()> {
+async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
     let engine = match startup::build_engine(&args.serve).await {
         Ok(engine) => engine,
         Err(e) => {
             eprintln!("keyfence reconcile: connecting to the stores: {e}");
-            std::process::exit(2);
+            return Ok(ExitCode::from(2));
         }
     };
     let options = reconcile::Options {
@@ -253,7 +258,7 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<()> {
         Err(e) => {
             bar.0.finish_and_clear();
             eprintln!("keyfence reconcile: {e}");
-            std::process::exit(2);
+            return Ok(ExitCode::from(2));
         }
     };
     bar.0.finish_and_clear();
@@ -261,10 +266,7 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<()> {
         Format::Table => print!("{}", report.table()),
         Format::Json => println!("{}", serde_json::to_string_pretty(&report.to_json())?),
     }
-    if report.unrepaired() > 0 {
-        std::process::exit(1);
-    }
-    Ok(())
+    Ok(if report.unrepaired() > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }
 
 async fn recover(args: RecoverArgs) -> anyhow::Result<()> {

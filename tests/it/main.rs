@@ -15,12 +15,12 @@ mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
 mod ledger_phases;
-#[cfg(feature = "failpoints")]
 mod process;
 mod protocol_model;
 mod rail_outage;
 mod reconcile;
 #[cfg(feature = "failpoints")]
 mod reconcile_crashes;
+mod telemetry;
 #[cfg(feature = "failpoints")]
 mod zombies;

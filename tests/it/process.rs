@@ -1,6 +1,7 @@
 //! The real `keyfence` binary as a child process, wired to a test's own
 //! stack (table, database, rail simulators). Crash tests give `serve`
-//! `FAILPOINTS` so it aborts or stalls at a boundary.
+//! `FAILPOINTS` so it aborts or stalls at a boundary; the telemetry test
+//! stops it with SIGTERM, as an orchestrator would.
 
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -42,15 +43,22 @@ pub struct ServeProcess {
 }
 
 impl ServeProcess {
-    /// Starts an instance of the service on `app`'s stack. `recovery_ms` 0
-    /// means no recovery worker in this instance.
+    /// Starts an instance of the service on `app`'s stack, for the crash
+    /// tests (which need the failpoints build). `recovery_ms` 0 means no
+    /// recovery worker in this instance.
+    #[cfg(feature = "failpoints")]
     pub async fn start(app: &TestApp, failpoints: Option<&str>, recovery_ms: u64) -> Self {
         let mut command = keyfence_command(app, "serve");
-        command.env("KEYFENCE_RECOVERY_INTERVAL_MS", recovery_ms.to_string()).stdout(Stdio::piped());
+        command.env("KEYFENCE_RECOVERY_INTERVAL_MS", recovery_ms.to_string());
         if let Some(failpoints) = failpoints {
             command.env("FAILPOINTS", failpoints);
         }
-        let mut child = command.spawn().expect("spawning keyfence serve");
+        Self::spawn(command).await
+    }
+
+    /// Starts `command` (a `keyfence serve`) and waits until it listens.
+    pub async fn spawn(mut command: Command) -> Self {
+        let mut child = command.stdout(Stdio::piped()).spawn().expect("spawning keyfence serve");
         let stdout = child.stdout.take().expect("piped stdout");
         let mut lines = BufReader::new(stdout).lines();
         let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
@@ -62,6 +70,14 @@ impl ServeProcess {
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Self { child, url }
+    }
+
+    /// Asks the process to stop (SIGTERM) and waits until it has.
+    pub async fn terminate(&mut self) -> ExitStatus {
+        let pid = self.child.id().expect("the process is running");
+        let sent = Command::new("kill").args(["-TERM", &pid.to_string()]).status().await.expect("running kill");
+        assert!(sent.success(), "kill -TERM {pid} failed");
+        self.exited().await
     }
 
     /// Waits for the process to exit by itself.
