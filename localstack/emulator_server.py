@@ -83,24 +83,22 @@ def linear_scans() -> None:
     scan = Table.scan
 
     def paged_scan(table, filters, limit, exclusive_start_key, filter_expression=None,
-                   index_name=None, consistent_read=False, projection_expression=None,
-                   segments=(None, None)):
-        def moto(start_key, segments, items=None):
-            if items is not None:
-                table.all_items = items
-            try:
-                return scan(table, filters, limit, start_key, filter_expression, index_name,
-                            consistent_read, projection_expression, segments=segments)
-            finally:
-                table.__dict__.pop("all_items", None)
-
+                   index_name=None, *rest, segments=(None, None)):
         start_key = (exclusive_start_key or {}).get(table.hash_key_attr)
         if index_name or table.range_key_attr or (exclusive_start_key and start_key is None):
-            return moto(exclusive_start_key, segments)
+            return scan(table, filters, limit, exclusive_start_key, filter_expression, index_name,
+                        *rest, segments=segments)
         keys = segment_keys(table, tuple(segments))
         first = 0 if start_key is None else bisect.bisect_right(keys, DynamoType(start_key))
         items = table.items
-        return moto(None, (None, None), lambda: (items[k] for k in itertools.islice(keys, first, None)))
+        # moto pages through whatever all_items() yields: here only this
+        # segment's keys after the start key, already in scan order.
+        table.all_items = lambda: (items[k] for k in itertools.islice(keys, first, None))
+        try:
+            return scan(table, filters, limit, None, filter_expression, index_name, *rest,
+                        segments=(None, None))
+        finally:
+            del table.all_items
 
     Table.scan = paged_scan
     Table.put_item = forget_order_on_resize(Table.put_item)

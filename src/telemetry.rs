@@ -24,8 +24,7 @@ pub struct Telemetry {
 /// Installs the global subscriber; call once, first thing in `main`.
 pub fn init() -> anyhow::Result<Telemetry> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
-    let provider =
-        if ENDPOINT_VARIABLES.iter().any(|v| std::env::var_os(v).is_some()) { Some(exporting()?) } else { None };
+    let provider = ENDPOINT_VARIABLES.iter().any(|v| std::env::var_os(v).is_some()).then(exporting).transpose()?;
     let export = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("keyfence")));
     tracing_subscriber::registry()
         .with(filter)
@@ -51,10 +50,9 @@ impl Telemetry {
     pub async fn shutdown(self) {
         let Some(provider) = self.provider else { return };
         // Flushing blocks on the exporter's thread; keep it off the runtime's workers.
-        match tokio::task::spawn_blocking(move || provider.shutdown()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("keyfence: exporting the last spans: {e}"),
-            Err(e) => eprintln!("keyfence: exporting the last spans: {e}"),
+        let flushed = tokio::task::spawn_blocking(move || provider.shutdown().map_err(|e| e.to_string()));
+        if let Err(e) = flushed.await.unwrap_or_else(|e| Err(e.to_string())) {
+            eprintln!("keyfence: exporting the last spans: {e}");
         }
     }
 }

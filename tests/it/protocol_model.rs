@@ -4,10 +4,10 @@
 //! with crashes, stalls (an owner simply not scheduled while the clock
 //! runs), lease expiries, unknown outcomes, failed transactions (before the
 //! commit is sent, or a commit that landed but whose answer was lost) and
-//! retries. Each owner follows
-//! the engine's rules: claim or take over, adopt the ledger row, one fenced
-//! transaction per stretch, intent before every call, probe-or-send on
-//! resume, publish the ledger's answer. After every action:
+//! retries. Each owner follows the engine's rules: claim or take over, adopt
+//! the ledger row, one fenced transaction per stretch, intent before every
+//! call, probe-or-send on resume, publish the ledger's answer. After every
+//! action:
 //! - no phase runs twice, and once an owner has adopted the request no
 //!   older owner writes to the ledger again;
 //! - no call is sent without its intent committed, and each rail applies a
