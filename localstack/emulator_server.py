@@ -17,15 +17,33 @@ Two more departures from stock moto, both towards real DynamoDB:
   bisecting to its ExclusiveStartKey. Items, limits, filters and the
   LastEvaluatedKey are still moto's own.
 - It exits promptly on SIGTERM and SIGINT, even under load.
+
+And one addition for tests, a fault switch (see localstack/README.md):
+``POST /_keyfence/faults`` arms a fault for the next ``count`` requests of
+one operation on one table, ``DELETE /_keyfence/faults?table=T`` disarms
+that table's faults. Two kinds:
+- ``{"table": T, "operation": "DeleteItem", "count": 1, "action":
+  "drop_reply", "delay_ms": 1500}``: the request is applied, then its reply
+  is held back ``delay_ms`` (other requests are served meanwhile) and the
+  connection is closed without one, so the client's SDK retries a write that
+  has already landed;
+- ``{"table": T, "operation": "PutItem", "count": 3, "action": "error",
+  "code": "ThrottlingException"}``: the request is answered with that
+  DynamoDB error and not applied (``InternalServerError`` is a 500,
+  ``ServiceUnavailable`` a 503, any other code a 400).
 """
 
 import argparse
 import bisect
+import io
 import itertools
+import json
 import os
 import signal
 import sys
 import threading
+import time
+from urllib.parse import parse_qs
 
 from moto.moto_server.werkzeug_app import (
     DomainDispatcherApplication,
@@ -39,18 +57,102 @@ from werkzeug.serving import ThreadedWSGIServer, make_server
 ORDER = "_keyfence_scan_order"
 
 
+FAULTS_PATH = "/_keyfence/faults"
+ERROR_STATUS = {"InternalServerError": "500 Internal Server Error", "ServiceUnavailable": "503 Service Unavailable"}
+
+
+class Faults:
+    """Faults armed by tests, each for a number of requests of one operation on one table."""
+
+    def __init__(self):
+        self._armed = []
+        self._lock = threading.Lock()
+
+    def control(self, environ, start_response):
+        method = environ["REQUEST_METHOD"]
+        if method == "POST":
+            spec = json.loads(read_body(environ) or b"{}")
+            missing = {"table", "operation", "count", "action"} - spec.keys()
+            if missing or spec["action"] not in ("drop_reply", "error") or (
+                spec["action"] == "error" and "code" not in spec
+            ):
+                return reply(start_response, "400 Bad Request", {"error": f"bad fault {spec}; missing {sorted(missing)}"})
+            with self._lock:
+                self._armed.append(dict(spec))
+            return reply(start_response, "200 OK", spec)
+        if method == "DELETE":
+            table = parse_qs(environ.get("QUERY_STRING", "")).get("table", [None])[0]
+            with self._lock:
+                self._armed = [f for f in self._armed if table is not None and f["table"] != table]
+            return reply(start_response, "200 OK", {})
+        with self._lock:
+            return reply(start_response, "200 OK", list(self._armed))
+
+    def take(self, environ):
+        """The fault armed for this request, if any (and counts it down)."""
+        operation = environ.get("HTTP_X_AMZ_TARGET", "").rpartition(".")[2]
+        with self._lock:
+            if not operation or not self._armed:
+                return None
+            body = read_body(environ)
+            environ["wsgi.input"] = io.BytesIO(body)
+            try:
+                table = json.loads(body or b"{}").get("TableName")
+            except ValueError:
+                return None
+            for fault in self._armed:
+                if fault["table"] == table and fault["operation"] == operation and fault["count"] > 0:
+                    fault["count"] -= 1
+                    if fault["count"] == 0:
+                        self._armed.remove(fault)
+                    return fault
+        return None
+
+
+def read_body(environ):
+    length = int(environ.get("CONTENT_LENGTH") or 0)
+    return environ["wsgi.input"].read(length) if length else b""
+
+
+def reply(start_response, status, body, headers=()):
+    data = json.dumps(body).encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))] + list(headers))
+    return [data]
+
+
 class Serialized:
-    """WSGI middleware that runs one request at a time, start to finish."""
+    """WSGI middleware that runs one request at a time, start to finish,
+    and applies the faults tests arm."""
 
     def __init__(self, app):
         self._app = app
         self._lock = threading.Lock()
+        self._faults = Faults()
 
     def __call__(self, environ, start_response):
+        if environ.get("PATH_INFO") == FAULTS_PATH:
+            return self._faults.control(environ, start_response)
+        fault = self._faults.take(environ)
+        if fault and fault["action"] == "error":
+            code = fault["code"]
+            body = {"__type": f"com.amazonaws.dynamodb.v20120810#{code}", "message": "injected by the keyfence emulator"}
+            status = ERROR_STATUS.get(code, "400 Bad Request")
+            return reply(start_response, status, body, [("x-amzn-ErrorType", code)])
         with self._lock:
             # Materialize the body inside the lock: a lazy iterator would let
             # the backend run part of the request after the lock is released.
-            return [b"".join(self._app(environ, start_response))]
+            if not (fault and fault["action"] == "drop_reply"):
+                return [b"".join(self._app(environ, start_response))]
+            b"".join(self._app(environ, lambda *args, **kwargs: None))
+        # Applied; now the reply is lost on the way back.
+        time.sleep(fault.get("delay_ms", 0) / 1000)
+        sock = environ.get("werkzeug.socket")
+        if sock is not None:
+            try:
+                sock.shutdown(2)
+            except OSError:
+                pass
+        raise ConnectionResetError("reply dropped by a keyfence emulator fault")
 
 
 def forget_order_on_resize(write):

@@ -31,6 +31,12 @@ enum Command {
     #[command(subcommand)]
     Clients(ClientsCommand),
     /// Run a rail simulator standing in for an external system (E1 or E2).
+    ///
+    /// POST /v1/instructions (honours Idempotency-Key), GET /v1/instructions/{key},
+    /// GET /v1/statement (applied), GET /v1/declines (declined);
+    /// PUT/DELETE /v1/faults {"latency_ms", "error_rate", "timeout_after_apply_rate"};
+    /// PUT/DELETE /v1/rules {"decline_creditor_accounts": [...], "max_amount_minor": N}:
+    /// matching instructions are declined with 402 and a reason code.
     RailSim(RailSimArgs),
     /// Resume every stale in-flight request once, then report (the worker inside `serve` does this on an interval).
     Recover(Box<RecoverArgs>),
@@ -178,6 +184,10 @@ struct RailSimArgs {
     /// Names the system in its references (e.g. e1, e2).
     #[arg(long, default_value = "rail")]
     name: String,
+    /// Forget a key's deduplication this many ms after its instruction (as real
+    /// rails do); a repeat after that is a new instruction. Default: never.
+    #[arg(long = "dedup-window-ms")]
+    dedup_window_ms: Option<u64>,
 }
 
 #[tokio::main]
@@ -348,7 +358,8 @@ async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     tracing::info!(addr = %listener.local_addr()?, name = %args.name, "rail simulator serving");
-    rail::sim::serve(listener, &args.name, shutdown_signal()).await?;
+    let sim = rail::sim::Simulator::new(&args.name, args.dedup_window_ms.map(std::time::Duration::from_millis));
+    rail::sim::serve(listener, sim, shutdown_signal()).await?;
     Ok(())
 }
 

@@ -134,7 +134,7 @@ async fn floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, St
     }
     let response = StoredResponse { status: 201, headers: BTreeMap::new(), body: b"{}".to_vec() };
     let finish = Finish { response, expires_at: now.plus(Duration::from_secs(3600)) };
-    floor.keys.finish(&key, item.fence, &finish).await.map_err(|e| e.to_string())?;
+    floor.keys.finish(&key, &item.holder(), &finish).await.map_err(|e| e.to_string())?;
     Ok(200)
 }
 

@@ -165,7 +165,7 @@ async fn start_rail(name: &str) -> Result<String, EngineError> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| EngineError::Fault(e.to_string()))?;
     let url = format!("http://{}", listener.local_addr().map_err(|e| EngineError::Fault(e.to_string()))?);
     let name = name.to_owned();
-    tokio::spawn(async move { sim::serve(listener, &name, std::future::pending()).await });
+    tokio::spawn(async move { sim::serve(listener, sim::Simulator::new(&name, None), std::future::pending()).await });
     Ok(url)
 }
 

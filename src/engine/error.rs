@@ -33,10 +33,8 @@ impl From<LedgerError> for EngineError {
             // A phase that cannot start where it expects has a newer owner
             // (or already ran): either way this attempt must stop.
             LedgerError::FencedOut { .. } | LedgerError::OutOfOrder { .. } => EngineError::FencedOut,
-            LedgerError::Database(sqlx::Error::Database(_)) | LedgerError::Migration(_) | LedgerError::Corrupt(_) => {
-                EngineError::Fault(e.to_string())
-            }
-            LedgerError::Database(_) => EngineError::Transient(e.to_string()),
+            _ if e.is_transient() => EngineError::Transient(e.to_string()),
+            _ => EngineError::Fault(e.to_string()),
         }
     }
 }

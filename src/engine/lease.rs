@@ -5,25 +5,30 @@
 
 use std::time::Duration;
 
-use crate::domain::{Fence, Millis, RecoveryPoint};
-use crate::keystore::{KeyItem, KeyStore, Lease};
+use crate::domain::{Millis, RecoveryPoint};
+use crate::keystore::{Holder, KeyItem, KeyStore, Lease};
 use crate::ledger::RequestRecord;
 
 use super::EngineError;
 
 pub(super) struct Attempt {
     pub record: RequestRecord,
-    pub fence: Fence,
+    /// The fence and identity this attempt writes under.
+    pub holder: Holder,
     pub lease_until: Millis,
     /// The last recovery point committed (by anyone, as of our adoption).
     pub at: RecoveryPoint,
     /// A commit was sent: even if its answer was lost, the ledger may hold
     /// work, so the key must never be forgotten.
     pub commit_attempted: bool,
+    /// This attempt made the claim itself: no earlier attempt can have sent
+    /// anything, so its calls need no probe first. Every other attempt (a
+    /// takeover, a rebuild) probes before any send.
+    pub fresh: bool,
 }
 
 impl Attempt {
-    pub fn new(item: &KeyItem, operation: &str, at: RecoveryPoint) -> Self {
+    pub fn new(item: &KeyItem, operation: &str, at: RecoveryPoint, fresh: bool) -> Self {
         Self {
             record: RequestRecord {
                 key: item.key.clone(),
@@ -33,10 +38,11 @@ impl Attempt {
                 payment_id: item.payment_id,
                 request: item.request.clone(),
             },
-            fence: item.fence,
+            holder: item.holder(),
             lease_until: item.lease_until,
             at,
             commit_attempted: false,
+            fresh,
         }
     }
 
@@ -45,7 +51,7 @@ impl Attempt {
         let now = Millis::now();
         let left = self.lease_until.get().saturating_sub(now.get());
         if u128::from(left) * 3 < length.as_millis() * 2 {
-            self.lease_until = keys.heartbeat(&self.record.key, self.fence, Lease { now, length }).await?;
+            self.lease_until = keys.heartbeat(&self.record.key, &self.holder, Lease { now, length }).await?;
         }
         Ok(())
     }

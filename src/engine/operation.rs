@@ -2,8 +2,11 @@
 //! steps: local phases, whose business writes run inside a fenced ledger
 //! transaction, and external calls, each with a recovery point for its
 //! intent (`sent`) and its outcome (`done`). The last step is the local
-//! phase `FINISHED`, which returns the final answer. A payment is one
-//! operation; a refund or payout would be another, with no engine change.
+//! phase `FINISHED`, which returns the final answer. An external system may
+//! also decline; then the operation's `declined` phase undoes what earlier
+//! steps reserved and returns the final answer instead, and no later step
+//! runs. A payment is one operation; a refund or payout would be another,
+//! with no engine change.
 
 use std::future::Future;
 
@@ -12,7 +15,7 @@ use sqlx::PgConnection;
 use super::EngineError;
 use crate::domain::{Fence, RecoveryPoint, StoredResponse};
 use crate::ledger::RequestRecord;
-use crate::rail::Instruction;
+use crate::rail::{Declined, Instruction};
 
 /// Which external system a step calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +62,16 @@ pub trait Operation: Send + Sync {
         point: &RecoveryPoint,
         cx: &mut StepContext<'_>,
     ) -> impl Future<Output = Result<Option<StoredResponse>, EngineError>> + Send;
+
+    /// The business writes when external step `step` declined, inside the
+    /// phase that records the refusal and reaches `FINISHED`: undo what the
+    /// earlier steps reserved and return the final answer.
+    fn declined(
+        &self,
+        step: &ExternalStep,
+        declined: &Declined,
+        cx: &mut StepContext<'_>,
+    ) -> impl Future<Output = Result<StoredResponse, EngineError>> + Send;
 
     /// What external step `step` sends.
     fn instruction(&self, step: &ExternalStep) -> Instruction;

@@ -6,6 +6,11 @@
 //! - `FINISHED`: clearing settles to the creditor, the payment succeeds, a
 //!   webhook event is queued, and the 201 answer is built.
 //!
+//! If screening rejects it or the rail declines it, the phase that records
+//! the refusal moves the funds back to the debtor from wherever they wait
+//! (the hold, or clearing), marks the payment `rejected` with the reason,
+//! queues `payment.rejected`, and builds the final answer: 402 problem+json.
+//!
 //! Every entry posts two legs that cancel, so each payment's postings sum
 //! to zero.
 
@@ -14,7 +19,7 @@ use std::collections::BTreeMap;
 use crate::domain::{PaymentRequest, RecoveryPoint, StoredResponse};
 use crate::ledger::payments::{self, Leg};
 use crate::ledger::{RequestRecord, external};
-use crate::rail::{Applied, Instruction};
+use crate::rail::{Applied, Declined, Instruction};
 
 use super::{EngineError, ExternalStep, Operation, Rail, Step, StepContext};
 
@@ -73,6 +78,19 @@ impl PaymentOperation {
         format!("hold:{}", self.payment.debtor_account)
     }
 
+    fn debtor_account(&self) -> String {
+        format!("debtor:{}", self.payment.debtor_account)
+    }
+
+    /// Where the funds wait while `step` is asked: the hold before screening,
+    /// clearing before the rail.
+    fn funds_awaiting(&self, step: &ExternalStep) -> String {
+        match step.rail {
+            Rail::Screening => self.hold_account(),
+            Rail::Payment => CLEARING.to_owned(),
+        }
+    }
+
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
         let rail = rail_result(cx.conn, cx.request, "ext2").await?;
         self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account)).await?;
@@ -91,6 +109,31 @@ impl PaymentOperation {
             ]),
             body,
         })
+    }
+}
+
+/// The final answer of a declined payment: RFC 9457 problem+json, with the
+/// reason code and the payment's id so the client can look it up.
+fn declined_answer(payment_id: uuid::Uuid, step: &ExternalStep, declined: &Declined) -> StoredResponse {
+    let by = match step.rail {
+        Rail::Screening => "screening",
+        Rail::Payment => "the payment rail",
+    };
+    let body = serde_json::json!({
+        "type": "urn:keyfence:problem:payment-declined",
+        "title": "Payment declined",
+        "status": 402,
+        "detail": format!("The payment was declined by {by}: {}.", declined.reason),
+        "reason": declined.reason_code,
+        "id": payment_id,
+    });
+    StoredResponse {
+        status: 402,
+        headers: BTreeMap::from([
+            ("content-type".to_owned(), "application/problem+json".to_owned()),
+            ("location".to_owned(), format!("/v1/payments/{payment_id}")),
+        ]),
+        body: body.to_string().into_bytes(),
     }
 }
 
@@ -122,8 +165,7 @@ impl Operation for PaymentOperation {
     ) -> Result<Option<StoredResponse>, EngineError> {
         if *point == H1_DONE {
             payments::insert_payment(cx.conn, cx.request, &self.payment, cx.fence).await?;
-            let debtor = format!("debtor:{}", self.payment.debtor_account);
-            self.transfer(cx, "hold", &debtor, &self.hold_account()).await?;
+            self.transfer(cx, "hold", &self.debtor_account(), &self.hold_account()).await?;
             Ok(None)
         } else if *point == H2_DONE {
             rail_result(cx.conn, cx.request, "ext1").await?;
@@ -134,6 +176,22 @@ impl Operation for PaymentOperation {
         } else {
             Err(EngineError::Fault(format!("the payment has no local step {point}")))
         }
+    }
+
+    async fn declined(
+        &self,
+        step: &ExternalStep,
+        declined: &Declined,
+        cx: &mut StepContext<'_>,
+    ) -> Result<StoredResponse, EngineError> {
+        self.transfer(cx, "release", &self.funds_awaiting(step), &self.debtor_account()).await?;
+        payments::reject(cx.conn, cx.request.payment_id, &declined.reason_code, cx.fence).await?;
+        let payment = payments::payment(cx.conn, cx.request.payment_id)
+            .await?
+            .ok_or_else(|| EngineError::Fault("the payment row vanished".into()))?;
+        let event = serde_json::json!({ "type": "payment.rejected", "payment": payment });
+        payments::enqueue_event(cx.conn, payment.id, "payment.rejected", &event).await?;
+        Ok(declined_answer(payment.id, step, declined))
     }
 
     fn instruction(&self, _step: &ExternalStep) -> Instruction {

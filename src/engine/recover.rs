@@ -6,7 +6,8 @@
 //! request whose ledger record a failover lost.
 
 use crate::domain::{Millis, Owner, RecoveryPoint};
-use crate::keystore::{KeyItem, KeyStore, KeyStoreError, Lease, StaleKey};
+use crate::keystore::{KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
+use crate::ledger::Adoption;
 
 use super::lease::Attempt;
 use super::{Answer, Engine, EngineError, Operation};
@@ -41,21 +42,31 @@ impl<K: KeyStore> Engine<K> {
             Err(e) => return Err(e.into()),
         };
         tracing::info!(fence = %item.fence, "recovering a stale request");
-        let op = decode(&item.request)?;
+        let op = match decode(&item.request) {
+            Ok(op) => op,
+            Err(e) => {
+                // Hand it back rather than sit on it for a whole lease.
+                if let Err(release) = self.keys.release(&item.key, &item.holder(), Release::Reopen).await {
+                    tracing::warn!(error = %release, "could not hand the key back; its lease will expire");
+                }
+                return Err(e);
+            }
+        };
         self.resume(&op, &item).await.map(Recovery::Resumed)
     }
 
     /// Rebuilds in this region's ledger a request the key store says is
     /// finished but the ledger lost (a failover dropped its last commits).
     /// The key's fence is final, so the rebuild runs under it without a
-    /// lease; the phases' recovery-point checks stop a second rebuilder.
+    /// lease (joining a ledger row at that same fence, unlike a takeover);
+    /// the phases' recovery-point checks stop a second rebuilder.
     /// External steps are probed by derived key and re-sent (same key) only
     /// if the rail never saw them. The ledger then stores the key's answer,
     /// the bytes clients have already been given.
     pub async fn rebuild<O: Operation>(&self, item: &KeyItem, op: &O) -> Result<Answer, EngineError> {
-        let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED);
+        let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED, false);
         attempt.lease_until = Millis::new(u64::MAX);
-        attempt.at = self.ledger.adopt(&attempt.record, item.fence).await?;
+        attempt.at = self.ledger.adopt(&attempt.record, item.fence, Adoption::Rebuild).await?;
         let answer = self.drive_to_answer(op, &mut attempt).await?;
         if let (Answer::Final { .. }, Some(response)) = (&answer, &item.response) {
             self.ledger.replace_answer(&attempt.record, item.fence, response).await?;

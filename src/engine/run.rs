@@ -5,25 +5,36 @@
 //! transactions while every recovery point is still recorded. Between
 //! transactions it calls the external system with the step's derived key.
 //!
-//! At a `sent` point with no outcome in hand (a resumed request), it probes
-//! by derived key first and re-sends with the same key only if the external
-//! system never saw it. An unknown outcome parks the request (202); a
-//! definite refusal hands the key back (503). Neither is a final answer.
+//! Only an attempt that made the claim itself sends without asking: any
+//! other (a takeover, a rebuild, an adoption after the ledger lost commits)
+//! probes by derived key first and re-sends with the same key only if the
+//! external system never saw it, since the system may have forgotten the
+//! key's deduplication by then. An unknown outcome parks the request (202);
+//! "not applied" hands the key back (503). Neither is a final answer. A
+//! decline is: the next transaction records it and runs the operation's
+//! `declined` phase straight to `FINISHED`.
+
+use std::time::Duration;
 
 use crate::domain::{Millis, RecoveryPoint};
 use crate::failpoint;
-use crate::keystore::{Finish, KeyStore, KeyStoreError, Release};
+use crate::keystore::{Finish, KeyState, KeyStore, KeyStoreError, Release};
 use crate::ledger::external;
-use crate::rail::{Applied, CallOutcome, ProbeOutcome};
+use crate::rail::{CallOutcome, ProbeOutcome, Verdict};
 
 use super::lease::Attempt;
 use super::{Answer, Engine, EngineError, ExternalStep, Operation, Step, StepContext, derived_key};
+
+/// Where a decline takes the request.
+static FINISHED: RecoveryPoint = RecoveryPoint::FINISHED;
 
 /// One piece of work inside a transaction.
 enum Work<'s> {
     Outcome(&'s ExternalStep),
     Local(&'s RecoveryPoint),
     Intent(&'s ExternalStep),
+    /// The step declined: the operation winds the request up.
+    Declined(&'s ExternalStep),
 }
 
 impl Work<'_> {
@@ -32,6 +43,7 @@ impl Work<'_> {
             Work::Outcome(step) => &step.done,
             Work::Local(point) => point,
             Work::Intent(step) => &step.sent,
+            Work::Declined(_) => &FINISHED,
         }
     }
 }
@@ -59,9 +71,17 @@ fn position<'s>(steps: &'s [Step], at: &RecoveryPoint) -> Result<Position<'s>, E
     Err(EngineError::Fault(format!("recovery point {at} is not a step of this operation")))
 }
 
-/// The work of the next transaction, starting at step `from`.
-fn stretch<'s>(steps: &'s [Step], outcome_of: Option<&'s ExternalStep>, from: usize) -> Vec<Work<'s>> {
-    let mut work: Vec<Work<'_>> = outcome_of.into_iter().map(Work::Outcome).collect();
+/// The work of the next transaction, starting at step `from`, after the
+/// outcome (if any) of the step awaited: a decline ends the request there.
+fn stretch<'s>(steps: &'s [Step], awaited: Option<(&'s ExternalStep, &Verdict)>, from: usize) -> Vec<Work<'s>> {
+    let mut work: Vec<Work<'_>> = Vec::new();
+    if let Some((ext, verdict)) = awaited {
+        work.push(Work::Outcome(ext));
+        if let Verdict::Declined(_) = verdict {
+            work.push(Work::Declined(ext));
+            return work;
+        }
+    }
     for step in &steps[from..] {
         match step {
             Step::Local(point) => work.push(Work::Local(point)),
@@ -76,12 +96,12 @@ fn stretch<'s>(steps: &'s [Step], outcome_of: Option<&'s ExternalStep>, from: us
 
 /// The derived key of `ext` as the external system receives it.
 fn wire_key(attempt: &Attempt, ext: &ExternalStep) -> String {
-    derived_key(&attempt.record.key, ext.name).simple().to_string()
+    derived_key(&attempt.record.key, attempt.record.payment_id, ext.name).simple().to_string()
 }
 
 /// How an external step settled.
 enum Settled {
-    Applied(Applied),
+    Verdict(Verdict),
     Parked(Answer),
 }
 
@@ -103,7 +123,7 @@ impl<K: KeyStore> Engine<K> {
         attempt: &mut Attempt,
     ) -> Result<Answer, EngineError> {
         let steps = op.steps();
-        let mut outcome: Option<Applied> = None;
+        let mut outcome: Option<Verdict> = None;
         loop {
             if attempt.at == RecoveryPoint::FINISHED {
                 return self.publish(attempt).await;
@@ -113,18 +133,24 @@ impl<K: KeyStore> Engine<K> {
                 Position::Awaiting(i, ext) => {
                     if outcome.is_none() {
                         match self.settle(op, attempt, ext).await? {
-                            Settled::Applied(applied) => outcome = Some(applied),
+                            Settled::Verdict(verdict) => outcome = Some(verdict),
                             Settled::Parked(answer) => return Ok(answer),
                         }
                     }
                     (Some(ext), i + 1)
                 }
             };
-            let work = stretch(steps, awaiting, from);
-            self.commit(op, attempt, &work, outcome.take()).await?;
+            let verdict = outcome.take();
+            let work = stretch(steps, awaiting.zip(verdict.as_ref()), from);
+            self.commit(op, attempt, &work, verdict.as_ref()).await?;
             if let Some(Work::Intent(ext)) = work.last() {
-                match self.call(op, attempt, ext).await? {
-                    Settled::Applied(applied) => outcome = Some(applied),
+                let settled = if attempt.fresh {
+                    self.call(op, attempt, ext).await?
+                } else {
+                    self.settle(op, attempt, ext).await?
+                };
+                match settled {
+                    Settled::Verdict(verdict) => outcome = Some(verdict),
                     Settled::Parked(answer) => return Ok(answer),
                 }
             }
@@ -137,7 +163,7 @@ impl<K: KeyStore> Engine<K> {
         op: &O,
         attempt: &mut Attempt,
         work: &[Work<'_>],
-        outcome: Option<Applied>,
+        outcome: Option<&Verdict>,
     ) -> Result<(), EngineError> {
         let Some(last) = work.last() else {
             return Err(EngineError::Fault("an operation must end with its FINISHED step".into()));
@@ -147,24 +173,31 @@ impl<K: KeyStore> Engine<K> {
         // A stall here is the classic zombie: the lease looked fresh a moment
         // ago, and the fence check below is what stops the write.
         failpoint::boundary(|| format!("before-phase:{to}"));
-        let mut phase = self.ledger.begin_phase(&attempt.record, attempt.fence, &attempt.at, &to).await?;
+        let fence = attempt.holder.fence;
+        let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &to).await?;
+        let missing = || EngineError::Fault("outcome missing".into());
         for item in work {
             phase.record_point(&attempt.record, item.point()).await?;
             match item {
                 Work::Outcome(ext) => {
-                    let applied = outcome.as_ref().ok_or_else(|| EngineError::Fault("outcome missing".into()))?;
-                    let result = serde_json::to_value(applied).map_err(|e| EngineError::Fault(e.to_string()))?;
-                    external::record_outcome(phase.conn(), &attempt.record, ext.name, &result, attempt.fence).await?;
+                    let verdict = outcome.ok_or_else(missing)?;
+                    external::record_verdict(phase.conn(), &attempt.record, ext.name, verdict, fence).await?;
                 }
                 Work::Local(point) => {
-                    let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence: attempt.fence };
+                    let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     if let Some(answer) = op.local(point, &mut cx).await? {
                         phase.store_answer(&attempt.record, &answer).await?;
                     }
                 }
                 Work::Intent(ext) => {
-                    let key = derived_key(&attempt.record.key, ext.name);
-                    external::record_intent(phase.conn(), &attempt.record, ext.name, key, attempt.fence).await?;
+                    let key = derived_key(&attempt.record.key, attempt.record.payment_id, ext.name);
+                    external::record_intent(phase.conn(), &attempt.record, ext.name, key, fence).await?;
+                }
+                Work::Declined(ext) => {
+                    let Some(Verdict::Declined(declined)) = outcome else { return Err(missing()) };
+                    let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
+                    let answer = op.declined(ext, declined, &mut cx).await?;
+                    phase.store_answer(&attempt.record, &answer).await?;
                 }
             }
         }
@@ -185,9 +218,9 @@ impl<K: KeyStore> Engine<K> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = wire_key(attempt, ext);
         match self.rails.get(ext.rail).send(&key, &op.instruction(ext)).await {
-            CallOutcome::Applied(applied) => {
+            CallOutcome::Settled(verdict) => {
                 failpoint::boundary(|| format!("after-call:{}", ext.name));
-                Ok(Settled::Applied(applied))
+                Ok(Settled::Verdict(verdict))
             }
             CallOutcome::NotApplied(why) => {
                 Err(EngineError::Transient(format!("{} refused the instruction: {why}", ext.name)))
@@ -196,8 +229,8 @@ impl<K: KeyStore> Engine<K> {
         }
     }
 
-    /// Finds out what became of an intent committed by an earlier attempt:
-    /// probe first, and send again (same key) only if it never arrived.
+    /// Finds out what became of an intent an earlier attempt may have sent:
+    /// probe first, and send (same key) only if it never arrived.
     async fn settle<O: Operation>(
         &self,
         op: &O,
@@ -207,7 +240,7 @@ impl<K: KeyStore> Engine<K> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = wire_key(attempt, ext);
         match self.rails.get(ext.rail).probe(&key).await {
-            ProbeOutcome::Found(applied) => Ok(Settled::Applied(applied)),
+            ProbeOutcome::Found(verdict) => Ok(Settled::Verdict(verdict)),
             ProbeOutcome::NotFound => self.call(op, attempt, ext).await,
             ProbeOutcome::Unknown(why) => self.park(attempt, ext, &why).await,
         }
@@ -217,38 +250,47 @@ impl<K: KeyStore> Engine<K> {
     /// resume. The request stays at `sent`: never reported as failed.
     async fn park(&self, attempt: &mut Attempt, ext: &ExternalStep, why: &str) -> Result<Settled, EngineError> {
         tracing::warn!(key = %attempt.record.key, step = ext.name, why, "external outcome unknown; parking the request");
-        let mut phase = self.ledger.begin_phase(&attempt.record, attempt.fence, &attempt.at, &attempt.at).await?;
-        let attempts = external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, attempt.fence).await?;
+        let fence = attempt.holder.fence;
+        let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &attempt.at).await?;
+        let attempts = external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, fence).await?;
         if attempts >= self.settings.max_unknown_attempts {
             tracing::warn!(key = %attempt.record.key, step = ext.name, attempts, "outcome indeterminate; listed for settlement");
-            external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, attempt.fence).await?;
+            external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, fence).await?;
         }
         phase.commit().await?;
         self.hand_back(attempt).await;
         Ok(Settled::Parked(Answer::Pending { payment_id: attempt.record.payment_id }))
     }
 
-    /// Copies the ledger's final answer into the key store.
+    /// Copies the ledger's final answer into the key store. Only what the
+    /// key store holds is ever answered: refused, this attempt answers with
+    /// the key's stored answer if it is finished (someone else's, perhaps
+    /// rebuilt elsewhere, and the one every retry gets), else "in flight".
     async fn publish(&self, attempt: &Attempt) -> Result<Answer, EngineError> {
         let response = self.ledger.answer(&attempt.record).await?.ok_or_else(|| {
             EngineError::Fault(format!("{} is finished but has no stored answer", attempt.record.key))
         })?;
         let finish = Finish { response: response.clone(), expires_at: Millis::now().plus(self.settings.retention) };
-        match self.keys.finish(&attempt.record.key, attempt.fence, &finish).await {
-            // Fenced out after our ledger commit: the new owner publishes the
-            // same stored answer, so this one is already the final answer.
-            Ok(_) | Err(KeyStoreError::FencedOut(_)) => Ok(Answer::Final { response, replayed: false }),
+        match self.keys.finish(&attempt.record.key, &attempt.holder, &finish).await {
+            Ok(_) => Ok(Answer::Final { response, replayed: false }),
+            Err(KeyStoreError::FencedOut(Some(item))) if item.state == KeyState::Finished => {
+                let response = item.response.ok_or_else(|| {
+                    EngineError::Fault(format!("{} is finished without an answer", attempt.record.key))
+                })?;
+                Ok(Answer::Final { response, replayed: true })
+            }
+            Err(KeyStoreError::FencedOut(_)) => Ok(Answer::InFlight { retry_after: Duration::from_secs(1) }),
             Err(e) => Err(e.into()),
         }
     }
 
-    /// Gives the key back after a failure: forgotten if no commit was ever
-    /// attempted (a commit whose answer was lost may have landed), else
-    /// reopened so the next actor resumes at once.
-    async fn hand_back(&self, attempt: &Attempt) {
-        let untouched = attempt.at == RecoveryPoint::STARTED && !attempt.commit_attempted;
+    /// Gives the key back after a failure: forgotten if this attempt made
+    /// the claim and no commit was ever attempted (a commit whose answer was
+    /// lost may have landed), else reopened so the next actor resumes at once.
+    pub(super) async fn hand_back(&self, attempt: &Attempt) {
+        let untouched = attempt.fresh && attempt.at == RecoveryPoint::STARTED && !attempt.commit_attempted;
         let how = if untouched { Release::Forget } else { Release::Reopen };
-        if let Err(e) = self.keys.release(&attempt.record.key, attempt.fence, how).await {
+        if let Err(e) = self.keys.release(&attempt.record.key, &attempt.holder, how).await {
             tracing::warn!(key = %attempt.record.key, error = %e, "could not hand the key back; its lease will expire");
         }
     }

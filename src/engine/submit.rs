@@ -11,6 +11,7 @@ use uuid::Uuid;
 use crate::domain::{Millis, Owner, RecoveryPoint, RequestHash, ScopedKey};
 use crate::failpoint;
 use crate::keystore::{Claim, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
+use crate::ledger::Adoption;
 
 use super::lease::Attempt;
 use super::{Answer, Engine, EngineError, Operation};
@@ -41,7 +42,7 @@ impl<K: KeyStore> Engine<K> {
         match self.keys.claim(&claim).await {
             Ok(item) => {
                 failpoint::boundary(|| "after-claim".to_owned());
-                let mut attempt = Attempt::new(&item, submission.operation.name(), RecoveryPoint::STARTED);
+                let mut attempt = Attempt::new(&item, submission.operation.name(), RecoveryPoint::STARTED, true);
                 self.drive(&submission.operation, &mut attempt).await
             }
             Err(KeyStoreError::Taken(Some(existing))) => {
@@ -86,10 +87,20 @@ impl<K: KeyStore> Engine<K> {
 
     /// Works a request this instance has just taken over: stamps its fence on
     /// the ledger (from then on the old owner's writes are refused) and
-    /// carries on from the recovery point found there.
+    /// carries on from the recovery point found there. If the ledger cannot
+    /// be reached, the key is handed back at once rather than held idle.
     pub(super) async fn resume<O: Operation>(&self, op: &O, item: &KeyItem) -> Result<Answer, EngineError> {
-        let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED);
-        attempt.at = self.ledger.adopt(&attempt.record, item.fence).await?;
+        let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED, false);
+        match self.ledger.adopt(&attempt.record, item.fence, Adoption::Takeover).await {
+            Ok(at) => attempt.at = at,
+            Err(e) => {
+                let e = EngineError::from(e);
+                if let EngineError::Transient(_) | EngineError::Fault(_) = e {
+                    self.hand_back(&attempt).await;
+                }
+                return Err(e);
+            }
+        }
         self.drive(op, &mut attempt).await
     }
 }

@@ -11,6 +11,7 @@ use aws_config::BehaviorVersion;
 use aws_config::retry::RetryConfig;
 use aws_config::timeout::TimeoutConfig;
 use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::config::{Credentials, Region};
 use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
@@ -21,7 +22,9 @@ use aws_sdk_dynamodb::types::{
 };
 
 use super::item::{attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
-use super::{Claim, Finish, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey};
+use super::{
+    Claim, Finish, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey,
+};
 use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 
@@ -114,7 +117,9 @@ fn names() -> HashMap<String, String> {
         .collect()
 }
 
-const OWNED_AND_STARTED: &str = "#fence = :mine AND #state = :started";
+/// The condition of every owner write: the item is still in flight and held
+/// by this very attempt (its fence and its identity).
+const HELD_BY_ME: &str = "#fence = :mine AND #owner = :me AND #state = :started";
 
 impl KeyStore for DynamoKeyStore {
     #[tracing::instrument(skip_all, fields(pk = %claim.key))]
@@ -183,19 +188,17 @@ impl KeyStore for DynamoKeyStore {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence))]
-    async fn heartbeat(&self, key: &ScopedKey, fence: Fence, lease: Lease) -> Result<Millis, KeyStoreError> {
+    #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
+    async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
         let sent = self
             .client
             .update_item()
             .table_name(&self.table)
             .key(attr::PK, Self::pk(key))
             .update_expression("SET #lease = :until")
-            .condition_expression(OWNED_AND_STARTED)
-            .set_expression_attribute_names(Some(names_for(&["#lease", "#fence", "#state"])))
-            .expression_attribute_values(":until", n(lease.until().get()))
-            .expression_attribute_values(":mine", n(fence.get()))
-            .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+            .condition_expression(HELD_BY_ME)
+            .set_expression_attribute_names(Some(names_for(&["#lease", "#fence", "#owner", "#state"])))
+            .set_expression_attribute_values(Some(held_by(holder, [(":until", n(lease.until().get()))])))
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
@@ -205,14 +208,11 @@ impl KeyStore for DynamoKeyStore {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence))]
-    async fn finish(&self, key: &ScopedKey, fence: Fence, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
-        let mut values: Attrs =
-            encode_response(&finish.response).into_iter().map(|(name, value)| (format!(":{name}"), value)).collect();
-        values.insert(":finished".into(), s(KeyState::Finished.as_str()));
+    #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
+    async fn finish(&self, key: &ScopedKey, holder: &Holder, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
+        let mut values = held_by(holder, [(":finished", s(KeyState::Finished.as_str()))]);
         values.insert(":expires".into(), n(finish.expires_at.as_secs()));
-        values.insert(":mine".into(), n(fence.get()));
-        values.insert(":started".into(), s(KeyState::Started.as_str()));
+        values.extend(encode_response(&finish.response).into_iter().map(|(name, value)| (format!(":{name}"), value)));
         let sent = self
             .client
             .update_item()
@@ -226,8 +226,8 @@ impl KeyStore for DynamoKeyStore {
                 ex = attr::EXPIRES_AT,
                 inf = attr::INFLIGHT,
             ))
-            .condition_expression(OWNED_AND_STARTED)
-            .set_expression_attribute_names(Some(names_for(&["#state", "#fence"])))
+            .condition_expression(HELD_BY_ME)
+            .set_expression_attribute_names(Some(names_for(&["#state", "#fence", "#owner"])))
             .set_expression_attribute_values(Some(values))
             .return_values(ReturnValue::AllNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
@@ -235,32 +235,32 @@ impl KeyStore for DynamoKeyStore {
             .await;
         match sent.map_err(classify) {
             Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
-            // Our own earlier attempt may have landed before a retry.
+            // Our own earlier delivery may have landed before the SDK's
+            // retry: finished under our fence *and* by us. Anyone else's
+            // finished item is theirs, however its fence compares.
             Err(Failure::Condition(Some(current))) => {
                 let current = decode(&current)?;
-                if current.state == KeyState::Finished && current.fence == fence {
-                    Ok(current)
-                } else {
-                    Err(KeyStoreError::FencedOut(Some(Box::new(current))))
-                }
+                let ours = current.state == KeyState::Finished
+                    && current.fence == holder.fence
+                    && current.owner == holder.owner;
+                if ours { Ok(current) } else { Err(KeyStoreError::FencedOut(Some(Box::new(current)))) }
             }
             Err(failure) => Err(fenced_out(failure)?),
         }
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, fence = %fence, how = ?how))]
-    async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
-        let how = if fence == Fence::FIRST { how } else { Release::Reopen };
+    #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence, how = ?how))]
+    async fn release(&self, key: &ScopedKey, holder: &Holder, how: Release) -> Result<(), KeyStoreError> {
+        let how = if holder.fence == Fence::FIRST { how } else { Release::Reopen };
         let sent = match how {
             Release::Forget => self
                 .client
                 .delete_item()
                 .table_name(&self.table)
                 .key(attr::PK, Self::pk(key))
-                .condition_expression(OWNED_AND_STARTED)
-                .set_expression_attribute_names(Some(names_for(&["#fence", "#state"])))
-                .expression_attribute_values(":mine", n(fence.get()))
-                .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+                .condition_expression(HELD_BY_ME)
+                .set_expression_attribute_names(Some(names_for(&["#fence", "#owner", "#state"])))
+                .set_expression_attribute_values(Some(held_by(holder, [])))
                 .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
                 .send()
                 .await
@@ -272,11 +272,9 @@ impl KeyStore for DynamoKeyStore {
                 .table_name(&self.table)
                 .key(attr::PK, Self::pk(key))
                 .update_expression("SET #lease = :zero")
-                .condition_expression(OWNED_AND_STARTED)
-                .set_expression_attribute_names(Some(names_for(&["#fence", "#state", "#lease"])))
-                .expression_attribute_values(":zero", n(0))
-                .expression_attribute_values(":mine", n(fence.get()))
-                .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+                .condition_expression(HELD_BY_ME)
+                .set_expression_attribute_names(Some(names_for(&["#fence", "#owner", "#state", "#lease"])))
+                .set_expression_attribute_values(Some(held_by(holder, [(":zero", n(0))])))
                 .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
                 .send()
                 .await
@@ -285,12 +283,14 @@ impl KeyStore for DynamoKeyStore {
         };
         match sent {
             Ok(()) => Ok(()),
-            // Gone already: our own earlier attempt deleted it.
+            // Gone: our own earlier delivery deleted it, or it was forgotten
+            // and nobody claimed it since. Either way nothing of anyone's
+            // is left to protect. An item that exists is never read as ours
+            // unless the condition (fence and identity) held.
             Err(Failure::Condition(None)) if how == Release::Forget => Ok(()),
             Err(failure) => Err(fenced_out(failure)?),
         }
     }
-
     #[tracing::instrument(skip_all, fields(pk = %key))]
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         let out = self
@@ -378,6 +378,15 @@ impl KeyStore for DynamoKeyStore {
     }
 }
 
+/// The values of [`HELD_BY_ME`] for `holder`, with an operation's own.
+fn held_by<const N: usize>(holder: &Holder, own: [(&str, AttributeValue); N]) -> Attrs {
+    let mut values: Attrs = own.into_iter().map(|(name, value)| (name.to_owned(), value)).collect();
+    values.insert(":mine".into(), n(holder.fence.get()));
+    values.insert(":me".into(), s(holder.owner.as_str()));
+    values.insert(":started".into(), s(KeyState::Started.as_str()));
+    values
+}
+
 /// DynamoDB rejects expression attribute names that the expression does not
 /// use, so operations with fewer placeholders pass only theirs.
 fn names_for(used: &[&str]) -> HashMap<String, String> {
@@ -434,10 +443,9 @@ impl ConditionFailure for DeleteItemError {
     }
 }
 
-fn classify<E, R>(err: SdkError<E, R>) -> Failure
+fn classify<E>(err: SdkError<E, HttpResponse>) -> Failure
 where
     E: ConditionFailure + ProvideErrorMetadata + std::error::Error + 'static,
-    R: std::fmt::Debug,
 {
     if let Some(item) = err.as_service_error().and_then(ConditionFailure::condition_item) {
         return Failure::Condition(item.cloned());
@@ -447,10 +455,9 @@ where
 
 /// Separates throttling and unavailability (transient, worth a client retry)
 /// from faults (configuration or data problems).
-fn store_error<E, R>(err: &SdkError<E, R>) -> KeyStoreError
+fn store_error<E>(err: &SdkError<E, HttpResponse>) -> KeyStoreError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
-    R: std::fmt::Debug,
 {
     let message = DisplayErrorContext(err).to_string();
     match err {
@@ -458,7 +465,15 @@ where
             Some("ProvisionedThroughputExceededException" | "RequestLimitExceeded" | "ThrottlingException") => {
                 KeyStoreError::Throttled(message)
             }
-            Some("InternalServerError" | "ServiceUnavailable") => KeyStoreError::Unavailable(message),
+            // A write that raced another region's write on the same item
+            // (multi-Region strong consistency): nothing was applied.
+            Some(
+                "InternalServerError"
+                | "ServiceUnavailable"
+                | "ReplicatedWriteConflictException"
+                | "TransactionConflictException",
+            ) => KeyStoreError::Unavailable(message),
+            _ if ctx.raw().status().is_server_error() => KeyStoreError::Unavailable(message),
             _ => KeyStoreError::Fault(message),
         },
         SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => {

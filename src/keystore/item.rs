@@ -10,7 +10,7 @@ use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
-use super::{Claim, KeyStoreError};
+use super::{Claim, Holder, KeyStoreError};
 use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
 /// How many GSI partitions the in-flight index is spread over.
@@ -100,6 +100,16 @@ impl KeyItem {
             response: None,
             expires_at: None,
         }
+    }
+
+    /// Who holds the item (meaningful while it is started).
+    pub fn holder(&self) -> Holder {
+        Holder { fence: self.fence, owner: self.owner.clone() }
+    }
+
+    /// Whether `holder` holds this item and it is still in flight.
+    pub fn held_by(&self, holder: &Holder) -> bool {
+        self.state == KeyState::Started && self.fence == holder.fence && self.owner == holder.owner
     }
 }
 

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::{
-    Claim, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey, inflight_shard, shard_name,
+    Claim, Finish, Holder, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey, inflight_shard,
+    shard_name,
 };
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 
@@ -24,10 +25,6 @@ impl MemoryKeyStore {
     fn with_items<T>(&self, f: impl FnOnce(&mut HashMap<String, KeyItem>) -> T) -> T {
         f(&mut self.items.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
-}
-
-fn owned_and_started(item: &KeyItem, fence: Fence) -> bool {
-    item.fence == fence && item.state == KeyState::Started
 }
 
 fn fenced_out(current: Option<&KeyItem>) -> KeyStoreError {
@@ -69,9 +66,9 @@ impl KeyStore for MemoryKeyStore {
         })
     }
 
-    async fn heartbeat(&self, key: &ScopedKey, fence: Fence, lease: Lease) -> Result<Millis, KeyStoreError> {
+    async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
         self.with_items(|items| match items.get_mut(&key.partition_key()) {
-            Some(item) if owned_and_started(item, fence) => {
+            Some(item) if item.held_by(holder) => {
                 item.lease_until = lease.until();
                 Ok(item.lease_until)
             }
@@ -79,29 +76,33 @@ impl KeyStore for MemoryKeyStore {
         })
     }
 
-    async fn finish(&self, key: &ScopedKey, fence: Fence, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
+    async fn finish(&self, key: &ScopedKey, holder: &Holder, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
         self.with_items(|items| match items.get_mut(&key.partition_key()) {
-            Some(item) if owned_and_started(item, fence) => {
+            Some(item) if item.held_by(holder) => {
                 item.state = KeyState::Finished;
                 item.response = Some(finish.response.clone());
                 item.expires_at = Some(finish.expires_at.as_secs());
                 Ok(item.clone())
             }
-            Some(item) if item.state == KeyState::Finished && item.fence == fence => Ok(item.clone()),
+            Some(item)
+                if item.state == KeyState::Finished && item.fence == holder.fence && item.owner == holder.owner =>
+            {
+                Ok(item.clone())
+            }
             other => Err(fenced_out(other.as_deref())),
         })
     }
 
-    async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
-        let how = if fence == Fence::FIRST { how } else { Release::Reopen };
+    async fn release(&self, key: &ScopedKey, holder: &Holder, how: Release) -> Result<(), KeyStoreError> {
+        let how = if holder.fence == Fence::FIRST { how } else { Release::Reopen };
         self.with_items(|items| {
             let pk = key.partition_key();
             match (items.get_mut(&pk), how) {
-                (Some(item), Release::Forget) if owned_and_started(item, fence) => {
+                (Some(item), Release::Forget) if item.held_by(holder) => {
                     items.remove(&pk);
                     Ok(())
                 }
-                (Some(item), Release::Reopen) if owned_and_started(item, fence) => {
+                (Some(item), Release::Reopen) if item.held_by(holder) => {
                     item.lease_until = Millis::new(0);
                     Ok(())
                 }

@@ -57,6 +57,18 @@ pub struct Claim {
     pub lease: Lease,
 }
 
+/// Who holds a started item: the fence it was granted and the identity of
+/// the attempt. Every write an owner makes is conditioned on both. The fence
+/// orders owners; the identity tells a retried write of ours (whose first
+/// delivery landed but whose reply was lost) from someone else's item that
+/// happens to carry the same fence, as a key forgotten and claimed again
+/// does (it starts at fence 1 once more).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holder {
+    pub fence: Fence,
+    pub owner: Owner,
+}
+
 /// The final answer of a request, stored when it finishes.
 #[derive(Clone, Debug)]
 pub struct Finish {
@@ -97,27 +109,30 @@ pub trait KeyStore: Send + Sync {
         lease: Lease,
     ) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
 
-    /// Extends the lease of the owner holding `fence`; returns the new end.
+    /// Extends the lease of `holder` if it still holds the started item;
+    /// returns the new end.
     fn heartbeat(
         &self,
         key: &ScopedKey,
-        fence: Fence,
+        holder: &Holder,
         lease: Lease,
     ) -> impl Future<Output = Result<Millis, KeyStoreError>> + Send;
 
-    /// Stores the final answer if `fence` still owns the started item.
+    /// Stores the final answer if `holder` still holds the started item.
+    /// Refused, it returns `FencedOut` with the item as it stands, whose
+    /// answer (if finished) is the one clients get.
     fn finish(
         &self,
         key: &ScopedKey,
-        fence: Fence,
+        holder: &Holder,
         finish: &Finish,
     ) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
 
-    /// Hands the key back after a transient failure, if `fence` still owns it.
+    /// Hands the key back after a transient failure, if `holder` still holds it.
     fn release(
         &self,
         key: &ScopedKey,
-        fence: Fence,
+        holder: &Holder,
         how: Release,
     ) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
 

@@ -20,3 +20,27 @@ pub enum LedgerError {
     #[error("ledger migration failed: {0}")]
     Migration(#[from] sqlx::migrate::MigrateError),
 }
+
+impl LedgerError {
+    /// A failure that retrying later can fix: the database unreachable or
+    /// restarting, out of connections, or a transaction that lost a
+    /// serialisation or deadlock race (SQLSTATE classes 08, 53, 57P and
+    /// 40). Nothing was committed by the failed statement.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            LedgerError::Database(sqlx::Error::Database(db)) => {
+                let code = db.code().unwrap_or_default();
+                ["08", "53", "57P", "40"].iter().any(|class| code.starts_with(class))
+            }
+            LedgerError::Database(
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed,
+            ) => true,
+            _ => false,
+        }
+    }
+}

@@ -1,12 +1,14 @@
 //! External-call records: the intent committed before a call (with the
-//! derived key the external system deduplicates on), the outcome after it,
-//! and attempts whose outcome stayed unknown.
+//! derived key the external system deduplicates on), the verdict after it
+//! (`done` with what was applied, or `declined` with why), and attempts
+//! whose outcome stayed unknown.
 
 use sqlx::PgConnection;
 
 use super::phase::{RequestRecord, fence_param};
 use super::{LedgerError, timestamp};
 use crate::domain::Fence;
+use crate::rail::Verdict;
 
 /// Records that `step` is about to be sent under `derived_key`.
 pub async fn record_intent(
@@ -32,15 +34,20 @@ pub async fn record_intent(
 }
 
 /// Records what the external system answered for `step`.
-pub async fn record_outcome(
+pub async fn record_verdict(
     conn: &mut PgConnection,
     request: &RequestRecord,
     step: &str,
-    result: &serde_json::Value,
+    verdict: &Verdict,
     fence: Fence,
 ) -> Result<(), LedgerError> {
+    let (outcome, result) = match verdict {
+        Verdict::Applied(applied) => ("done", serde_json::to_value(applied)),
+        Verdict::Declined(declined) => ("declined", serde_json::to_value(declined)),
+    };
+    let result = result.map_err(|e| LedgerError::Corrupt(format!("a verdict that does not serialise: {e}")))?;
     sqlx::query(
-        "UPDATE external_calls SET outcome = 'done', result = $5, fence = $6, done_at = now()
+        "UPDATE external_calls SET outcome = $7, result = $5, fence = $6, done_at = now()
           WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
     )
     .bind(request.key.client.as_uuid())
@@ -49,6 +56,7 @@ pub async fn record_outcome(
     .bind(step)
     .bind(result)
     .bind(fence_param(fence))
+    .bind(outcome)
     .execute(conn)
     .await?;
     Ok(())

@@ -19,7 +19,7 @@ use crate::config::LedgerSettings;
 use crate::domain::Millis;
 
 pub use error::LedgerError;
-pub use phase::{Phase, RequestRecord};
+pub use phase::{Adoption, Phase, RequestRecord};
 
 /// How long to wait for a connection: an unreachable database fails
 /// start-up in seconds, and an exhausted pool is reported as unavailable.

@@ -25,12 +25,15 @@ pub struct Payment {
     pub remittance_info: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rail_reference: Option<String>,
+    /// Why a rejected payment was refused (a reason code).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
 }
 
 const COLUMNS: &str = "id, status, amount_minor, currency, debtor_account, creditor_account, end_to_end_id, \
-                       remittance_info, rail_reference, created_at";
+                       remittance_info, rail_reference, reason, created_at";
 
 /// One leg of a posting: an account and a signed amount.
 pub struct Leg<'a> {
@@ -111,6 +114,17 @@ pub async fn set_status(
     .bind(fence_param(fence))
     .execute(conn)
     .await?;
+    Ok(())
+}
+
+/// Marks a payment rejected, keeping the reason code it was refused with.
+pub async fn reject(conn: &mut PgConnection, payment_id: Uuid, reason: &str, fence: Fence) -> Result<(), LedgerError> {
+    sqlx::query("UPDATE payments SET status = 'rejected', reason = $2, fence = $3, updated_at = now() WHERE id = $1")
+        .bind(payment_id)
+        .bind(reason)
+        .bind(fence_param(fence))
+        .execute(conn)
+        .await?;
     Ok(())
 }
 

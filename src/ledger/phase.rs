@@ -87,8 +87,36 @@ impl Phase {
     }
 }
 
+/// Adoption: insert the row, or raise its fence (strictly, for a takeover).
+const ADOPT_ABOVE: &str = "INSERT INTO requests AS r
+        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+     ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
+        SET fence = EXCLUDED.fence, updated_at = now()
+      WHERE r.fence < EXCLUDED.fence
+     RETURNING r.recovery_point";
+const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
+        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+     ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
+        SET fence = EXCLUDED.fence, updated_at = now()
+      WHERE r.fence <= EXCLUDED.fence
+     RETURNING r.recovery_point";
+
 pub(super) fn fence_param(fence: Fence) -> i64 {
     i64::try_from(fence.get()).unwrap_or(i64::MAX)
+}
+
+/// Who adopts a request, which decides the fence it must beat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// A new owner after a takeover: its fence was granted once, so it must
+    /// be strictly above any fence the row has seen. Equal means the fence
+    /// was granted twice, and the adoption is refused.
+    Takeover,
+    /// The reconciler rebuilding under a finished key's final fence, which
+    /// the row may already carry from the request's own last owner.
+    Rebuild,
 }
 
 impl Ledger {
@@ -97,27 +125,28 @@ impl Ledger {
     /// calls this right after a takeover: from then on every write of the
     /// previous owner finds a newer fence and is refused.
     #[tracing::instrument(skip_all, fields(key = %request.key, fence = %fence))]
-    pub async fn adopt(&self, request: &RequestRecord, fence: Fence) -> Result<RecoveryPoint, LedgerError> {
-        let row = sqlx::query(
-            "INSERT INTO requests AS r
-                    (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-             ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
-                SET fence = EXCLUDED.fence, updated_at = now()
-              WHERE r.fence <= EXCLUDED.fence
-             RETURNING r.recovery_point",
-        )
-        .bind(request.key.client.as_uuid())
-        .bind(request.key.key.as_str())
-        .bind(timestamp(request.created_at))
-        .bind(&request.operation)
-        .bind(request.request_hash.as_str())
-        .bind(request.payment_id)
-        .bind(fence_param(fence))
-        .bind(RecoveryPoint::STARTED.as_str())
-        .bind(&request.request)
-        .fetch_optional(&self.pool)
-        .await?;
+    pub async fn adopt(
+        &self,
+        request: &RequestRecord,
+        fence: Fence,
+        how: Adoption,
+    ) -> Result<RecoveryPoint, LedgerError> {
+        let query = match how {
+            Adoption::Takeover => ADOPT_ABOVE,
+            Adoption::Rebuild => ADOPT_AT_LEAST,
+        };
+        let row = sqlx::query(query)
+            .bind(request.key.client.as_uuid())
+            .bind(request.key.key.as_str())
+            .bind(timestamp(request.created_at))
+            .bind(&request.operation)
+            .bind(request.request_hash.as_str())
+            .bind(request.payment_id)
+            .bind(fence_param(fence))
+            .bind(RecoveryPoint::STARTED.as_str())
+            .bind(&request.request)
+            .fetch_optional(&self.pool)
+            .await?;
         match row {
             Some(row) => Ok(RecoveryPoint::from_stored(row.try_get(0)?)),
             None => {

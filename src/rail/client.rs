@@ -1,19 +1,30 @@
 //! `RailClient`: calls one external system with a derived idempotency key
-//! and classifies what came back. The distinction that matters is between
-//! "not applied" (safe to report as transient) and "unknown" (the
-//! instruction may have been applied: never reported as failed).
+//! and classifies what came back, in one table (the same for a send and,
+//! where it applies, a probe):
+//!
+//! | answer                                        | class        | what follows                         |
+//! |-----------------------------------------------|--------------|--------------------------------------|
+//! | 200/201 with an `Applied` body                | applied      | the payment goes on                  |
+//! | 402 with a `Declined` body                    | declined     | final: the payment ends, rejected    |
+//! | connection refused, 429, 503                  | not applied  | transient: retried, then 503         |
+//! | 404 (probe only)                              | never seen   | sent (again) under the same key      |
+//! | anything else: timeout, reset, other status, unreadable body | unknown | parked (202), probed later |
+//!
+//! The distinction that matters most is between "not applied" (safe to
+//! report as transient) and "unknown" (the instruction may have been
+//! applied: never reported as failed).
 
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use reqwest::StatusCode;
 
-use super::{Applied, Instruction};
+use super::{Applied, Declined, Instruction, Verdict};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallOutcome {
-    /// Applied now or earlier (a repeat answers the first result).
-    Applied(Applied),
+    /// Applied or declined, now or earlier (a repeat answers the first result).
+    Settled(Verdict),
     /// Definitely not applied (a 429/503, or no connection), retry later.
     NotApplied(String),
     /// No answer in time, or a broken one: it may or may not have applied.
@@ -22,7 +33,7 @@ pub enum CallOutcome {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProbeOutcome {
-    Found(Applied),
+    Found(Verdict),
     NotFound,
     Unknown(String),
 }
@@ -76,15 +87,14 @@ impl RailClient {
             Err(e) => return CallOutcome::Unknown(e.to_string()),
         };
         match response.status() {
-            StatusCode::OK | StatusCode::CREATED => match response.json::<Applied>().await {
-                Ok(applied) => CallOutcome::Applied(applied),
-                Err(e) => CallOutcome::Unknown(format!("unreadable answer: {e}")),
-            },
             StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
                 CallOutcome::NotApplied(format!("{} answered {}", self.base, response.status()))
             }
-            // Anything else is not a promise either way.
-            other => CallOutcome::Unknown(format!("{} answered {other}", self.base)),
+            _ => match verdict(response).await {
+                Ok(verdict) => CallOutcome::Settled(verdict),
+                // Anything else is not a promise either way.
+                Err(why) => CallOutcome::Unknown(why),
+            },
         }
     }
 
@@ -95,13 +105,26 @@ impl RailClient {
             Ok(r) => r,
             Err(e) => return ProbeOutcome::Unknown(e.to_string()),
         };
-        match response.status() {
-            StatusCode::OK => match response.json::<Applied>().await {
-                Ok(applied) => ProbeOutcome::Found(applied),
-                Err(e) => ProbeOutcome::Unknown(format!("unreadable answer: {e}")),
-            },
-            StatusCode::NOT_FOUND => ProbeOutcome::NotFound,
-            other => ProbeOutcome::Unknown(format!("{} answered {other}", self.base)),
+        if response.status() == StatusCode::NOT_FOUND {
+            return ProbeOutcome::NotFound;
         }
+        match verdict(response).await {
+            Ok(verdict) => ProbeOutcome::Found(verdict),
+            Err(why) => ProbeOutcome::Unknown(why),
+        }
+    }
+}
+
+/// The definite answers: 200/201 with what was applied, 402 with why it was
+/// declined. Anything else, or a body that does not read, is no answer.
+async fn verdict(response: reqwest::Response) -> Result<Verdict, String> {
+    let status = response.status();
+    let unreadable = |e: reqwest::Error| format!("{status} with an unreadable answer: {e}");
+    match status {
+        StatusCode::OK | StatusCode::CREATED => {
+            response.json::<Applied>().await.map(Verdict::Applied).map_err(unreadable)
+        }
+        StatusCode::PAYMENT_REQUIRED => response.json::<Declined>().await.map(Verdict::Declined).map_err(unreadable),
+        other => Err(format!("{} answered {other}", response.url().origin().ascii_serialization())),
     }
 }

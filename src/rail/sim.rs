@@ -1,13 +1,22 @@
 //! The rail simulator: a real HTTP server standing in for an external system
 //! (`keyfence rail-sim`). It honours idempotency keys exactly as a real rail
 //! must (a repeat is a no-op answering the first result), keeps a statement
-//! of every applied instruction so tests can count effects, and takes
-//! runtime faults: added latency, a rate of 503s that apply nothing, and a
-//! rate of timeout-after-apply (applied, then the answer never comes in time).
+//! of every applied instruction and a list of every declined one so tests
+//! can count effects, and takes at runtime:
+//! - faults: added latency, a rate of 503s that apply nothing, and a rate of
+//!   timeout-after-apply (recorded, then the answer never comes in time);
+//! - decline rules: instructions for listed creditor accounts, or above an
+//!   amount, are declined (402 with a reason code), recorded like applied
+//!   ones so a repeat or a probe answers the same refusal.
+//!
+//! Like a real rail it keeps idempotency keys for a limited window when
+//! started with one (`--dedup-window-ms`): past it, a repeat under the same
+//! key is a new instruction. Its status API (the probe) keeps answering
+//! from the full history.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -18,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
-use super::{Applied, Instruction};
+use super::{Applied, Declined, Instruction, Verdict};
 
 /// How long a timed-out answer is held back: far past any client's timeout.
 const HANG: Duration = Duration::from_secs(120);
@@ -46,23 +55,62 @@ impl Faults {
     }
 }
 
+/// Which instructions are declined; empty declines nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Rules {
+    /// Instructions to these creditor accounts are declined (`creditor_account_blocked`).
+    pub decline_creditor_accounts: Vec<String>,
+    /// Instructions above this amount are declined (`amount_over_limit`).
+    pub max_amount_minor: Option<i64>,
+}
+
+impl Rules {
+    /// Why `instruction` is declined, if it is: (reason code, reason).
+    fn decline(&self, instruction: &Instruction) -> Option<(&'static str, String)> {
+        if self.decline_creditor_accounts.contains(&instruction.creditor_account) {
+            return Some(("creditor_account_blocked", "the creditor account is blocked".to_owned()));
+        }
+        self.max_amount_minor.filter(|max| instruction.amount_minor > *max).map(|max| {
+            ("amount_over_limit", format!("the amount {} exceeds the limit of {max}", instruction.amount_minor))
+        })
+    }
+}
+
+/// One instruction as recorded, with what became of it.
+struct Entry {
+    instruction: Instruction,
+    verdict: Verdict,
+    at: Instant,
+}
+
 #[derive(Default)]
 struct Book {
-    by_key: HashMap<String, (Instruction, Applied)>,
-    /// Keys in the order their instructions were applied.
-    order: Vec<String>,
+    /// Every instruction recorded, in order.
+    entries: Vec<Entry>,
+    /// The newest entry under each key.
+    latest: HashMap<String, usize>,
 }
 
 /// One simulated external system.
 pub struct Simulator {
     name: String,
+    /// How long a key deduplicates; `None`: forever.
+    dedup_window: Option<Duration>,
     book: Mutex<Book>,
     faults: Mutex<Faults>,
+    rules: Mutex<Rules>,
 }
 
 impl Simulator {
-    pub fn new(name: &str) -> Arc<Self> {
-        Arc::new(Self { name: name.to_owned(), book: Mutex::default(), faults: Mutex::default() })
+    pub fn new(name: &str, dedup_window: Option<Duration>) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.to_owned(),
+            dedup_window,
+            book: Mutex::default(),
+            faults: Mutex::default(),
+            rules: Mutex::default(),
+        })
     }
 
     fn book(&self) -> MutexGuard<'_, Book> {
@@ -77,23 +125,59 @@ impl Simulator {
         *self.faults.lock().unwrap_or_else(|p| p.into_inner()) = faults;
     }
 
-    /// Applies the instruction once per key; a repeat gets the first result.
-    fn apply(&self, key: &str, instruction: Instruction) -> Result<(Applied, bool), Instruction> {
+    fn rules(&self) -> Rules {
+        self.rules.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set_rules(&self, rules: Rules) {
+        *self.rules.lock().unwrap_or_else(|p| p.into_inner()) = rules;
+    }
+
+    /// Records the instruction once per key (within the dedup window): a
+    /// repeat gets the first verdict. Returns the verdict and whether it is new.
+    fn record(&self, key: &str, instruction: Instruction) -> Result<(Verdict, bool), Instruction> {
         let mut book = self.book();
-        if let Some((first, applied)) = book.by_key.get(key) {
-            return if *first == instruction { Ok((applied.clone(), false)) } else { Err(first.clone()) };
+        if let Some(first) = book.latest.get(key).map(|&i| &book.entries[i])
+            && self.dedup_window.is_none_or(|window| first.at.elapsed() < window)
+        {
+            return if first.instruction == instruction {
+                Ok((first.verdict.clone(), false))
+            } else {
+                Err(first.instruction.clone())
+            };
         }
-        let applied = Applied {
-            idempotency_key: key.to_owned(),
-            end_to_end_id: instruction.end_to_end_id.clone(),
-            amount_minor: instruction.amount_minor,
-            currency: instruction.currency.clone(),
-            reference: format!("{}-{:08}", self.name, book.order.len() + 1),
-            applied_at: OffsetDateTime::now_utc().format(&Rfc3339).unwrap_or_default(),
+        let now = OffsetDateTime::now_utc().format(&Rfc3339).unwrap_or_default();
+        let verdict = match self.rules().decline(&instruction) {
+            Some((code, reason)) => Verdict::Declined(Declined {
+                idempotency_key: key.to_owned(),
+                end_to_end_id: instruction.end_to_end_id.clone(),
+                reason_code: code.to_owned(),
+                reason,
+                declined_at: now,
+            }),
+            None => Verdict::Applied(Applied {
+                idempotency_key: key.to_owned(),
+                end_to_end_id: instruction.end_to_end_id.clone(),
+                amount_minor: instruction.amount_minor,
+                currency: instruction.currency.clone(),
+                reference: format!("{}-{:08}", self.name, book.entries.len() + 1),
+                applied_at: now,
+            }),
         };
-        book.by_key.insert(key.to_owned(), (instruction, applied.clone()));
-        book.order.push(key.to_owned());
-        Ok((applied, true))
+        let index = book.entries.len();
+        book.entries.push(Entry { instruction, verdict: verdict.clone(), at: Instant::now() });
+        book.latest.insert(key.to_owned(), index);
+        Ok((verdict, true))
+    }
+}
+
+/// A verdict as the rail answers it: 201/200 applied, 402 declined.
+fn answer(verdict: Verdict, fresh: bool) -> Response {
+    match verdict {
+        Verdict::Applied(applied) => {
+            (if fresh { StatusCode::CREATED } else { StatusCode::OK }, Json(applied)).into_response()
+        }
+        Verdict::Declined(declined) => (StatusCode::PAYMENT_REQUIRED, Json(declined)).into_response(),
     }
 }
 
@@ -103,7 +187,9 @@ pub fn router(sim: Arc<Simulator>) -> Router {
         .route("/v1/instructions", post(instruct))
         .route("/v1/instructions/{key}", get(probe))
         .route("/v1/statement", get(statement))
+        .route("/v1/declines", get(declines))
         .route("/v1/faults", put(set_faults).delete(reset_faults).get(show_faults))
+        .route("/v1/rules", put(set_rules).delete(reset_rules).get(show_rules))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(sim)
 }
@@ -121,14 +207,13 @@ async fn instruct(
     if fastrand::f64() < faults.error_rate {
         return (StatusCode::SERVICE_UNAVAILABLE, "simulated outage: nothing applied").into_response();
     }
-    match sim.apply(key, instruction) {
-        Ok((applied, fresh)) => {
+    match sim.record(key, instruction) {
+        Ok((verdict, fresh)) => {
             if fresh && fastrand::f64() < faults.timeout_after_apply_rate {
-                tracing::info!(rail = %sim.name, key, "applied; holding the answer back");
+                tracing::info!(rail = %sim.name, key, "recorded; holding the answer back");
                 tokio::time::sleep(HANG).await;
             }
-            let status = if fresh { StatusCode::CREATED } else { StatusCode::OK };
-            (status, Json(applied)).into_response()
+            answer(verdict, fresh)
         }
         Err(first) => (
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -140,15 +225,56 @@ async fn instruct(
 
 async fn probe(State(sim): State<Arc<Simulator>>, Path(key): Path<String>) -> Response {
     tokio::time::sleep(Duration::from_millis(sim.faults().latency_ms)).await;
-    match sim.book().by_key.get(&key) {
-        Some((_, applied)) => Json(applied.clone()).into_response(),
+    let found = {
+        let book = sim.book();
+        book.latest.get(&key).map(|&i| book.entries[i].verdict.clone())
+    };
+    match found {
+        Some(verdict) => answer(verdict, false),
         None => (StatusCode::NOT_FOUND, "no instruction under this key").into_response(),
     }
 }
 
+/// Every applied instruction, in order: the money that moved.
 async fn statement(State(sim): State<Arc<Simulator>>) -> Json<Vec<Applied>> {
     let book = sim.book();
-    Json(book.order.iter().map(|key| book.by_key[key].1.clone()).collect())
+    Json(
+        book.entries
+            .iter()
+            .filter_map(|e| match &e.verdict {
+                Verdict::Applied(applied) => Some(applied.clone()),
+                Verdict::Declined(_) => None,
+            })
+            .collect(),
+    )
+}
+
+/// Every declined instruction, in order.
+async fn declines(State(sim): State<Arc<Simulator>>) -> Json<Vec<Declined>> {
+    let book = sim.book();
+    Json(
+        book.entries
+            .iter()
+            .filter_map(|e| match &e.verdict {
+                Verdict::Declined(declined) => Some(declined.clone()),
+                Verdict::Applied(_) => None,
+            })
+            .collect(),
+    )
+}
+
+async fn set_rules(State(sim): State<Arc<Simulator>>, Json(rules): Json<Rules>) -> Json<Rules> {
+    sim.set_rules(rules.clone());
+    Json(rules)
+}
+
+async fn reset_rules(State(sim): State<Arc<Simulator>>) -> StatusCode {
+    sim.set_rules(Rules::default());
+    StatusCode::NO_CONTENT
+}
+
+async fn show_rules(State(sim): State<Arc<Simulator>>) -> Json<Rules> {
+    Json(sim.rules())
 }
 
 async fn set_faults(State(sim): State<Arc<Simulator>>, Json(faults): Json<Faults>) -> Response {
@@ -170,11 +296,11 @@ async fn show_faults(State(sim): State<Arc<Simulator>>) -> Json<Faults> {
     Json(sim.faults())
 }
 
-/// Serves a simulator named `name` on `listener` until `shutdown` resolves.
+/// Serves `sim` on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    name: &str,
+    sim: Arc<Simulator>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(Simulator::new(name))).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router(sim)).with_graceful_shutdown(shutdown).await
 }

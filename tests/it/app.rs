@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use keyfence::config::ServeSettings;
 use keyfence::domain::{ApiKey, ClientId};
-use keyfence::rail::Applied;
+use keyfence::rail::sim::Simulator;
+use keyfence::rail::{Applied, Declined};
 use keyfence::startup::Application;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -21,17 +22,32 @@ pub struct TestRail {
 
 impl TestRail {
     pub async fn start(name: &str) -> Self {
+        Self::start_with(name, None).await
+    }
+
+    /// A rail that forgets a key's deduplication `window` after its instruction.
+    pub async fn start_with(name: &str, dedup_window: Option<Duration>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
-        let name = name.to_owned();
+        let sim = Simulator::new(name, dedup_window);
         tokio::spawn(async move {
-            keyfence::rail::sim::serve(listener, &name, async {
+            keyfence::rail::sim::serve(listener, sim, async {
                 let _ = stopped.await;
             })
             .await
         });
         Self { url, _stop: stop }
+    }
+
+    /// Every instruction the rail declined, in order.
+    pub async fn declines(&self) -> Vec<Declined> {
+        reqwest::get(format!("{}/v1/declines", self.url)).await.unwrap().json().await.unwrap()
+    }
+
+    pub async fn set_rules(&self, rules: Value) {
+        let response = reqwest::Client::new().put(format!("{}/v1/rules", self.url)).json(&rules).send().await.unwrap();
+        assert!(response.status().is_success(), "setting rules: {}", response.status());
     }
 
     /// Every instruction the rail applied, in order.

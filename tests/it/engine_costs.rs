@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
 use keyfence::engine::{Answer, Engine, EngineSettings, PaymentOperation, Rails, Submission};
-use keyfence::keystore::{Claim, Finish, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
+use keyfence::keystore::{Claim, Finish, Holder, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
 use keyfence::rail::RailClient;
 
 use crate::app::{TestRail, payment};
@@ -45,17 +45,17 @@ impl<K: KeyStore> KeyStore for Counting<K> {
         self.note("take_over");
         self.inner.take_over(key, seen, owner, lease).await
     }
-    async fn heartbeat(&self, key: &ScopedKey, fence: Fence, lease: Lease) -> Result<Millis, KeyStoreError> {
+    async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
         self.note("heartbeat");
-        self.inner.heartbeat(key, fence, lease).await
+        self.inner.heartbeat(key, holder, lease).await
     }
-    async fn finish(&self, key: &ScopedKey, fence: Fence, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
+    async fn finish(&self, key: &ScopedKey, holder: &Holder, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
         self.note("finish");
-        self.inner.finish(key, fence, finish).await
+        self.inner.finish(key, holder, finish).await
     }
-    async fn release(&self, key: &ScopedKey, fence: Fence, how: Release) -> Result<(), KeyStoreError> {
+    async fn release(&self, key: &ScopedKey, holder: &Holder, how: Release) -> Result<(), KeyStoreError> {
         self.note("release");
-        self.inner.release(key, fence, how).await
+        self.inner.release(key, holder, how).await
     }
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         self.note("get");

@@ -70,17 +70,17 @@ async fn after_a_takeover_the_old_owner_is_fenced_out_of_everything() {
         Err(KeyStoreError::FencedOut(Some(item))) => assert_eq!(*item, new, "{what}: the loser sees the new item"),
         other => panic!("{what} by the old owner was not fenced out: {other:?}"),
     };
-    fenced(keys.store.heartbeat(&key, old.fence, late).await.map(|_| ()), "heartbeat");
-    fenced(keys.store.finish(&key, old.fence, &answer("{\"by\":\"old\"}")).await.map(|_| ()), "finish");
-    fenced(keys.store.release(&key, old.fence, Release::Reopen).await, "release (reopen)");
-    fenced(keys.store.release(&key, old.fence, Release::Forget).await, "release (forget)");
+    fenced(keys.store.heartbeat(&key, &old.holder(), late).await.map(|_| ()), "heartbeat");
+    fenced(keys.store.finish(&key, &old.holder(), &answer("{\"by\":\"old\"}")).await.map(|_| ()), "finish");
+    fenced(keys.store.release(&key, &old.holder(), Release::Reopen).await, "release (reopen)");
+    fenced(keys.store.release(&key, &old.holder(), Release::Forget).await, "release (forget)");
 
     assert_eq!(keys.store.get(&key).await.unwrap().as_ref(), Some(&new), "the item is unchanged");
 
     // The new owner still works normally.
-    let until = keys.store.heartbeat(&key, new.fence, Lease { now: late.now, length: LEASE * 2 }).await.unwrap();
+    let until = keys.store.heartbeat(&key, &new.holder(), Lease { now: late.now, length: LEASE * 2 }).await.unwrap();
     assert_eq!(until, late.now.plus(LEASE * 2));
-    let done = keys.store.finish(&key, new.fence, &answer("{\"by\":\"new\"}")).await.unwrap();
+    let done = keys.store.finish(&key, &new.holder(), &answer("{\"by\":\"new\"}")).await.unwrap();
     assert_eq!(done.state, KeyState::Finished);
     assert_eq!(done.response.unwrap().body, b"{\"by\":\"new\"}");
 }
@@ -93,13 +93,13 @@ async fn a_finished_item_keeps_its_answer_and_refuses_more_writes() {
     let claim = claim_of(&key, t0, LEASE);
     let item = keys.store.claim(&claim).await.unwrap();
     let finish = answer("{\"id\":\"p-1\",\"status\":\"succeeded\"}");
-    let done = keys.store.finish(&key, item.fence, &finish).await.unwrap();
+    let done = keys.store.finish(&key, &item.holder(), &finish).await.unwrap();
     assert_eq!(done.response.as_ref(), Some(&finish.response));
     assert_eq!(done.expires_at, Some(finish.expires_at.as_secs()));
     assert_eq!(done.request, claim.request, "the original request stays recoverable");
 
     // The same owner finishing again (a retried request) sees its own answer.
-    assert_eq!(keys.store.finish(&key, item.fence, &answer("other")).await.unwrap(), done);
+    assert_eq!(keys.store.finish(&key, &item.holder(), &answer("other")).await.unwrap(), done);
     // A later claim loses and is shown the stored answer in the same round trip.
     match keys.store.claim(&claim_of(&key, t0, LEASE)).await {
         Err(KeyStoreError::Taken(Some(existing))) => assert_eq!(*existing, done),
@@ -110,8 +110,11 @@ async fn a_finished_item_keeps_its_answer_and_refuses_more_writes() {
         keys.store.take_over(&key, item.fence, &Owner::attempt_of("late"), much_later).await,
         Err(KeyStoreError::Taken(_))
     ));
-    assert!(matches!(keys.store.heartbeat(&key, item.fence, much_later).await, Err(KeyStoreError::FencedOut(_))));
-    assert!(matches!(keys.store.release(&key, item.fence, Release::Forget).await, Err(KeyStoreError::FencedOut(_))));
+    assert!(matches!(keys.store.heartbeat(&key, &item.holder(), much_later).await, Err(KeyStoreError::FencedOut(_))));
+    assert!(matches!(
+        keys.store.release(&key, &item.holder(), Release::Forget).await,
+        Err(KeyStoreError::FencedOut(_))
+    ));
     assert_eq!(keys.store.get(&key).await.unwrap(), Some(done));
 }
 
@@ -122,7 +125,7 @@ async fn release_forgets_a_first_claim_and_reopens_a_taken_over_one() {
 
     let key = fresh_key();
     let item = keys.store.claim(&claim_of(&key, t0, LEASE)).await.unwrap();
-    keys.store.release(&key, item.fence, Release::Forget).await.unwrap();
+    keys.store.release(&key, &item.holder(), Release::Forget).await.unwrap();
     assert_eq!(keys.store.get(&key).await.unwrap(), None);
     let again = keys.store.claim(&claim_of(&key, t0, LEASE)).await.unwrap();
     assert_eq!(again.fence, Fence::FIRST, "a forgotten key can be claimed afresh");
@@ -131,7 +134,7 @@ async fn release_forgets_a_first_claim_and_reopens_a_taken_over_one() {
     let item = keys.store.claim(&claim_of(&key, t0, LEASE)).await.unwrap();
     let late = Lease { now: item.lease_until.plus(Duration::from_millis(1)), length: LEASE };
     let taken = keys.store.take_over(&key, item.fence, &Owner::attempt_of("b"), late).await.unwrap();
-    keys.store.release(&key, taken.fence, Release::Forget).await.unwrap();
+    keys.store.release(&key, &taken.holder(), Release::Forget).await.unwrap();
     let kept = keys.store.get(&key).await.unwrap().expect("a taken-over key is never deleted");
     assert_eq!(kept.fence, taken.fence);
     assert_eq!(kept.lease_until, Millis::new(0), "reopened: the lease is over");

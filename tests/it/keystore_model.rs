@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use keyfence::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 use keyfence::keystore::{
-    Claim, DynamoKeyStore, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, MemoryKeyStore, Release,
+    Claim, DynamoKeyStore, Finish, Holder, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, MemoryKeyStore, Release,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -117,6 +117,11 @@ impl World {
         self.held.get(&(owner, key)).copied().unwrap_or(Fence::new(0))
     }
 
+    /// The fence and identity `owner` writes `key` under.
+    fn holder(&self, owner: usize, key: usize) -> Holder {
+        Holder { fence: self.fence_of(owner, key), owner: self.owners[owner].clone() }
+    }
+
     fn finish(&self, body: u8) -> Finish {
         Finish {
             response: StoredResponse {
@@ -196,16 +201,16 @@ async fn step<S: KeyStore>(store: &S, world: &World, op: &Op) -> Outcome {
             outcome(result, Outcome::Item)
         }
         Op::Heartbeat { owner, key } => {
-            let result = store.heartbeat(&world.keys[key], world.fence_of(owner, key), world.lease()).await;
+            let result = store.heartbeat(&world.keys[key], &world.holder(owner, key), world.lease()).await;
             outcome(result, Outcome::Until)
         }
         Op::Finish { owner, key, body } => {
-            let result = store.finish(&world.keys[key], world.fence_of(owner, key), &world.finish(body)).await;
+            let result = store.finish(&world.keys[key], &world.holder(owner, key), &world.finish(body)).await;
             outcome(result, Outcome::Item)
         }
         Op::Release { owner, key, forget } => {
             let how = if forget { Release::Forget } else { Release::Reopen };
-            let result = store.release(&world.keys[key], world.fence_of(owner, key), how).await;
+            let result = store.release(&world.keys[key], &world.holder(owner, key), how).await;
             outcome(result, |()| Outcome::Released)
         }
         Op::Get { key } => outcome(store.get(&world.keys[key]).await, Outcome::Read),

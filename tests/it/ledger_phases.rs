@@ -3,7 +3,7 @@
 //! is refused and leaves nothing behind.
 
 use keyfence::domain::{Fence, Millis, RecoveryPoint, RequestHash};
-use keyfence::ledger::{Ledger, LedgerError, Phase, RequestRecord};
+use keyfence::ledger::{Adoption, Ledger, LedgerError, Phase, RequestRecord};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -139,15 +139,22 @@ async fn adopting_fences_the_previous_owner_out_before_any_new_phase() {
     let db = TestLedger::new().await;
     let req = request();
     // Nothing committed yet: adopting creates the row at STARTED.
-    assert_eq!(db.ledger.adopt(&req, Fence::new(2)).await.unwrap(), RecoveryPoint::STARTED);
+    assert_eq!(db.ledger.adopt(&req, Fence::new(2), Adoption::Takeover).await.unwrap(), RecoveryPoint::STARTED);
     // The old owner wakes and tries its first phase: refused.
     assert!(matches!(first_phase(&db.ledger, &req, Fence::FIRST).await, Err(LedgerError::FencedOut { .. })));
     assert_eq!(counts(&db.ledger).await, (1, 0, 0));
     // An even older owner cannot adopt it back.
-    assert!(matches!(db.ledger.adopt(&req, Fence::FIRST).await, Err(LedgerError::FencedOut { .. })));
+    assert!(matches!(
+        db.ledger.adopt(&req, Fence::FIRST, Adoption::Takeover).await,
+        Err(LedgerError::FencedOut { .. })
+    ));
 
     first_phase(&db.ledger, &req, Fence::new(2)).await.unwrap().commit().await.unwrap();
-    assert_eq!(db.ledger.adopt(&req, Fence::new(3)).await.unwrap(), H1_DONE, "a later owner resumes where it stopped");
+    assert_eq!(
+        db.ledger.adopt(&req, Fence::new(3), Adoption::Takeover).await.unwrap(),
+        H1_DONE,
+        "a later owner resumes where it stopped"
+    );
     assert_eq!(state(&db.ledger, &req).await, (3, "H1_DONE".into()));
 }
 

@@ -5,6 +5,7 @@
 mod app;
 #[cfg(feature = "failpoints")]
 mod crash;
+mod declines;
 mod emulator;
 mod engine_costs;
 mod failover;

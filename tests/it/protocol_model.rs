@@ -3,8 +3,9 @@
 //! models of their own, and up to three owners act in random interleavings
 //! with crashes, stalls (an owner simply not scheduled while the clock
 //! runs), lease expiries, unknown outcomes, failed transactions (before the
-//! commit is sent, or a commit that landed but whose answer was lost) and
-//! retries. Each owner follows the engine's rules: claim or take over, adopt
+//! commit is sent, or a commit that landed but whose answer was lost),
+//! retries, and owner writes to the key store delivered again at any later
+//! moment (an SDK retry of a write that landed but whose reply was lost). Each owner follows the engine's rules: claim or take over, adopt
 //! the ledger row, one fenced transaction per stretch, intent before every
 //! call, probe-or-send on resume, publish the ledger's answer. After every
 //! action:
@@ -23,7 +24,9 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use keyfence::domain::{Fence, Millis, Owner, RequestHash, StoredResponse};
-use keyfence::keystore::{Claim, Finish, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, MemoryKeyStore, Release};
+use keyfence::keystore::{
+    Claim, Finish, Holder, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, MemoryKeyStore, Release,
+};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -57,7 +60,7 @@ impl LedgerModel {
     fn admits(&self, fence: Fence, expected: Option<usize>) -> bool {
         match (self.row, expected) {
             (None, _) => true,
-            (Some((f, _)), None) => f <= fence,
+            (Some((f, _)), None) => f < fence,
             (Some((f, at)), Some(e)) => f <= fence && at == e,
         }
     }
@@ -102,6 +105,10 @@ enum Action {
     Crash {
         actor: usize,
     },
+    /// One of the owner writes made so far reaches the key store again.
+    Redeliver {
+        pick: usize,
+    },
     Advance {
         ms: u64,
     },
@@ -112,6 +119,7 @@ fn action() -> impl Strategy<Value = Action> {
         6 => (0..ACTORS, prop::bool::weighted(0.2), any::<bool>(), txn_fault())
             .prop_map(|(actor, unknown, applied, fault)| Action::Step { actor, unknown, applied, fault }),
         1 => (0..ACTORS).prop_map(|actor| Action::Crash { actor }),
+        1 => any::<usize>().prop_map(|pick| Action::Redeliver { pick }),
         2 => (0..1500_u64).prop_map(|ms| Action::Advance { ms }),
     ]
 }
@@ -120,8 +128,18 @@ fn txn_fault() -> impl Strategy<Value = TxnFault> {
     prop_oneof![8 => Just(TxnFault::None), 1 => Just(TxnFault::BeforeCommit), 1 => Just(TxnFault::AnswerLost)]
 }
 
+/// An owner write to the key store, kept so it can be delivered again.
+#[derive(Clone, Debug)]
+enum Write {
+    Heartbeat(Holder, Lease),
+    Finish(Holder, Finish),
+    Release(Holder, Release),
+}
+
 struct World {
     keys: MemoryKeyStore,
+    /// Every owner write delivered so far.
+    writes: Vec<Write>,
     ledger: LedgerModel,
     /// Times each external step was applied at its rail.
     applied: [u32; 2],
@@ -146,6 +164,7 @@ impl World {
         };
         Self {
             keys: MemoryKeyStore::new(),
+            writes: Vec::new(),
             ledger: LedgerModel::default(),
             applied: [0; 2],
             actors: vec![Actor::Idle; ACTORS],
@@ -206,9 +225,27 @@ impl World {
     /// The engine's hand-back after a failed transaction: the key is
     /// forgotten only if nothing can have reached the ledger (no row was
     /// adopted and no commit was sent); otherwise it is reopened.
-    fn hand_back(&mut self, fence: Fence, at: usize, fault: TxnFault) {
+    fn hand_back(&mut self, holder: &Holder, at: usize, fault: TxnFault) {
         let how = if at == 0 && fault == TxnFault::BeforeCommit { Release::Forget } else { Release::Reopen };
-        let _ = block_on(self.keys.release(&self.claim.key, fence, how));
+        let _ = self.deliver(Write::Release(holder.clone(), how));
+    }
+
+    /// Delivers an owner write (again, perhaps); `Some` for a finish that
+    /// took, with the item it left.
+    fn deliver(&mut self, write: Write) -> Result<Option<KeyItem>, KeyStoreError> {
+        let key = &self.claim.key;
+        let result = match &write {
+            Write::Heartbeat(holder, lease) => block_on(self.keys.heartbeat(key, holder, *lease)).map(|_| None),
+            Write::Finish(holder, finish) => block_on(self.keys.finish(key, holder, finish)).map(Some),
+            Write::Release(holder, how) => block_on(self.keys.release(key, holder, *how)).map(|()| None),
+        };
+        self.writes.push(write);
+        if let Ok(Some(item)) = &result {
+            let published = item.response.clone().expect("finished items carry the answer");
+            assert!(self.published.as_ref().is_none_or(|p| *p == published), "the finished answer changed");
+            self.published = Some(published);
+        }
+        result
     }
 
     fn step(&mut self, index: usize, unknown: bool, applied: bool, fault: TxnFault) {
@@ -217,11 +254,12 @@ impl World {
             self.actors[index] = self.present();
             return;
         };
+        let holder = Holder { fence, owner: owner.clone() };
         if !checked {
             // Lazy heartbeat; refused means fenced out: stop at once.
             if lease_until.get().saturating_sub(self.now.get()) * 3 < LEASE.as_millis() as u64 * 2 {
-                match block_on(self.keys.heartbeat(&self.claim.key, fence, self.lease())) {
-                    Ok(until) => lease_until = until,
+                match self.deliver(Write::Heartbeat(holder.clone(), self.lease())) {
+                    Ok(_) => lease_until = self.lease().until(),
                     Err(_) => {
                         self.actors[index] = Actor::Idle;
                         return;
@@ -231,15 +269,10 @@ impl World {
             self.actors[index] = Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked: true };
             return;
         }
-        let key = self.claim.key.clone();
         let next = if at == FINISHED {
             let answer = self.ledger.answer.clone().expect("a finished ledger row has an answer");
             let finish = Finish { response: answer, expires_at: self.now.plus(LEASE * 100) };
-            if let Ok(item) = block_on(self.keys.finish(&key, fence, &finish)) {
-                let published = item.response.expect("finished items carry the answer");
-                assert!(self.published.as_ref().is_none_or(|p| *p == published), "the finished answer changed");
-                self.published = Some(published);
-            }
+            let _ = self.deliver(Write::Finish(holder, finish));
             Actor::Idle
         } else if SENT.contains(&at) && !outcome_in_hand {
             let step = if at == SENT[0] { 0 } else { 1 };
@@ -252,7 +285,7 @@ impl World {
             if unknown {
                 // Park: a fenced write of the attempt, then the lease is handed back.
                 if self.ledger.admits(fence, Some(at)) {
-                    let _ = block_on(self.keys.release(&key, fence, Release::Reopen));
+                    let _ = self.deliver(Write::Release(holder, Release::Reopen));
                 }
                 Actor::Idle
             } else {
@@ -263,7 +296,7 @@ impl World {
             if !self.ledger.admits(fence, Some(at)) {
                 Actor::Idle
             } else if fault == TxnFault::BeforeCommit {
-                self.hand_back(fence, at, fault);
+                self.hand_back(&holder, at, fault);
                 Actor::Idle
             } else {
                 if let Some((newest, _)) = self.ledger.row {
@@ -285,7 +318,7 @@ impl World {
                 }
                 self.ledger.row = Some((fence, to));
                 if fault == TxnFault::AnswerLost {
-                    self.hand_back(fence, at, fault);
+                    self.hand_back(&holder, at, fault);
                     Actor::Idle
                 } else {
                     Actor::Owner { owner, fence, lease_until, at: to, outcome_in_hand: false, checked: false }
@@ -300,6 +333,11 @@ impl World {
         match *action {
             Action::Step { actor, unknown, applied, fault } => self.step(actor, unknown, applied, fault),
             Action::Crash { actor } => self.actors[actor] = Actor::Idle,
+            Action::Redeliver { pick } => {
+                if !self.writes.is_empty() {
+                    let _ = self.deliver(self.writes[pick % self.writes.len()].clone());
+                }
+            }
             Action::Advance { ms } => self.now = self.now.plus(Duration::from_millis(ms)),
         }
         if self.ledger.row.is_some() {

@@ -288,7 +288,7 @@ async fn a_finished_key_whose_instructions_never_reached_the_rails_is_completed_
     let repaired = reconcile(&app, true).await;
     assert_eq!(classes(&repaired), [Class::PaymentMissing]);
     assert_eq!(repaired.unrepaired(), 0, "{}", repaired.table());
-    let derived = |step: &str| derived_key(&key, step).simple().to_string();
+    let derived = |step: &str| derived_key(&key, item.payment_id, step).simple().to_string();
     let e1: Vec<_> = app.e1.statement().await.into_iter().map(|a| a.idempotency_key).collect();
     let e2: Vec<_> = app.e2.statement().await.into_iter().map(|a| a.idempotency_key).collect();
     assert_eq!((e1, e2), (vec![derived("ext1")], vec![derived("ext2")]), "sent once, under the derived keys");
