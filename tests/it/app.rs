@@ -86,9 +86,13 @@ pub async fn spawn_app() -> TestApp {
 
 /// The service with some settings changed first.
 pub async fn spawn_app_with(adjust: impl FnOnce(&mut ServeSettings)) -> TestApp {
+    spawn_app_on(TestRail::start("e1").await, TestRail::start("e2").await, adjust).await
+}
+
+/// The service over the given rails, with some settings changed first.
+pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut ServeSettings)) -> TestApp {
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
-    let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
     let mut settings = ServeSettings {
         keys: keys.settings.clone(),
         ledger: db.settings.clone(),
@@ -105,12 +109,7 @@ pub async fn spawn_app_with(adjust: impl FnOnce(&mut ServeSettings)) -> TestApp 
         retention_hours: 72,
     };
     adjust(&mut settings);
-    let app = Application::build(&settings).await.expect("the service starts");
-    let url = format!("http://{}", app.local_addr().unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(app.run_until_stopped(async {
-        let _ = stopped.await;
-    }));
+    let (url, stop) = start_instance(&settings).await;
     let api_key = ApiKey::generate();
     db.ledger.create_client("test client", &api_key).await.unwrap();
     TestApp {
@@ -124,6 +123,18 @@ pub async fn spawn_app_with(adjust: impl FnOnce(&mut ServeSettings)) -> TestApp 
         api_key: api_key.reveal().to_owned(),
         _stop: stop,
     }
+}
+
+/// An instance of the service in this process with `settings`; it serves
+/// until the returned sender is dropped.
+pub async fn start_instance(settings: &ServeSettings) -> (String, oneshot::Sender<()>) {
+    let app = Application::build(settings).await.expect("the service starts");
+    let url = format!("http://{}", app.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(app.run_until_stopped(async {
+        let _ = stopped.await;
+    }));
+    (url, stop)
 }
 
 /// A valid payment body.

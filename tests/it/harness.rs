@@ -3,7 +3,7 @@
 //! when the value is dropped, whether the test passed or panicked, so tests
 //! run in parallel and leave nothing behind.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use keyfence::config::{KeyStoreSettings, LedgerSettings};
 use keyfence::domain::{ClientId, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey};
@@ -32,6 +32,25 @@ impl TestKeys {
             .await
             .unwrap_or_else(|e| panic!("creating a test table (is the emulator running? scripts/test starts it): {e}"));
         Self { store: DynamoKeyStore::new(client, settings.table.clone()), settings }
+    }
+}
+
+impl TestKeys {
+    /// Arms a fault of the bundled emulator for this test's table (see
+    /// localstack/README.md): `fault` names the operation, count and action.
+    pub async fn arm(&self, mut fault: serde_json::Value) {
+        fault["table"] = self.settings.table.clone().into();
+        let endpoint = self.settings.aws_endpoint_url.as_deref().unwrap_or(LOCAL_DYNAMODB);
+        let armed = reqwest::Client::new()
+            .post(format!("{endpoint}/_keyfence/faults"))
+            .json(&fault)
+            .send()
+            .await
+            .expect("the emulator answers");
+        assert!(
+            armed.status().is_success(),
+            "arming {fault} (the bundled emulator has the fault switch, LocalStack not)"
+        );
     }
 }
 
@@ -129,5 +148,14 @@ pub fn claim_of(key: &ScopedKey, now: Millis, lease: Duration) -> Claim {
         owner: Owner::attempt_of("test"),
         home_region: "eu-west-1".into(),
         lease: Lease { now, length: lease },
+    }
+}
+
+/// Waits up to 20 s for `check` to hold.
+pub async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !check().await {
+        assert!(Instant::now() < deadline, "not within 20 s: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

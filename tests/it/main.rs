@@ -16,12 +16,15 @@ mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
 mod ledger_phases;
+mod lost_replies;
 mod process;
 mod protocol_model;
+mod proxy;
 mod rail_outage;
 mod reconcile;
 #[cfg(feature = "failpoints")]
 mod reconcile_crashes;
+mod store_errors;
 mod telemetry;
 #[cfg(feature = "failpoints")]
 mod zombies;

@@ -3,7 +3,7 @@
 //! it as indeterminate; when the rail answers again the payment finishes
 //! once, and the client's retry gets the final answer.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use keyfence::domain::{IdempotencyKey, ScopedKey};
 use keyfence::keystore::{KeyState, KeyStore};
@@ -11,18 +11,11 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::app::{TestApp, payment, spawn_app_with};
+use crate::harness::eventually;
 
 async fn payment_status(app: &TestApp, location: &str) -> String {
     let shown: Value = app.get_as(&app.api_key, location).await.json().await.unwrap();
     shown["status"].as_str().unwrap().to_owned()
-}
-
-async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !check().await {
-        assert!(Instant::now() < deadline, "not within 20 s: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,7 @@
 //! Owners that lose their lease: a stalled owner (a zombie) that wakes after
-//! a takeover changes nothing; a client retry and two recovery workers that
-//! race for one stale key resume it exactly once.
+//! a takeover changes nothing and never answers with its own copy; a client
+//! retry and two recovery workers that race for one stale key resume it
+//! exactly once.
 
 use std::time::Duration;
 
@@ -12,7 +13,8 @@ use reqwest::StatusCode;
 
 use crate::app::{payment, spawn_app};
 use crate::crash::{assert_exactly_once, retry_until_created};
-use crate::process::{LEASE_MS, ServeProcess};
+use crate::harness::TestLedger;
+use crate::process::{LEASE_MS, ServeProcess, keyfence_command};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zombie_owner_that_wakes_after_a_takeover_changes_nothing() {
@@ -89,4 +91,56 @@ async fn a_retry_and_two_recovery_workers_resume_a_stale_key_once() {
     assert_eq!(item.state, KeyState::Finished);
     assert_eq!(item.fence, Fence::new(2), "exactly one takeover happened");
     assert_exactly_once(&app).await;
+}
+
+/// The zombie committed FINISHED in its ledger, then stalled before storing
+/// the answer in the key store. Its ledger is lost to a failover: the
+/// successor, on the promoted ledger, rebuilds the payment (probing the
+/// rails, which already applied it) and stores an answer of its own, with
+/// other bytes. When the zombie wakes, its finish is refused, and it must
+/// answer its client with the successor's bytes, never with its own copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_fenced_out_at_finish_answers_the_successors_bytes() {
+    let app = spawn_app().await;
+    let body = payment("E2E-ZOMBIE-FINISH");
+    let promoted = TestLedger::new().await;
+    let (id, name, digest): (uuid::Uuid, String, String) =
+        sqlx::query_as("SELECT id, name, api_key_hash FROM clients").fetch_one(app.db.ledger.pool()).await.unwrap();
+    sqlx::query("INSERT INTO clients (id, name, api_key_hash) VALUES ($1, $2, $3)")
+        .bind(id)
+        .bind(name)
+        .bind(digest)
+        .execute(promoted.ledger.pool())
+        .await
+        .unwrap();
+
+    let zombie = ServeProcess::start(&app, Some("after-commit:FINISHED=sleep(4000)"), 0).await;
+    let zombie_answer = {
+        let (url, api_key, http, body) = (zombie.url.clone(), app.api_key.clone(), app.http.clone(), body.clone());
+        tokio::spawn(async move {
+            http.post(format!("{url}/v1/payments"))
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", "zombie-finish-1")
+                .json(&body)
+                .send()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(LEASE_MS + 300)).await;
+    let mut command = keyfence_command(&app, "serve");
+    command.env("DATABASE_URL", &promoted.url).env("KEYFENCE_RECOVERY_INTERVAL_MS", "0");
+    let successor = ServeProcess::spawn(command).await;
+    let retry = retry_until_created(&app, &successor.url, "zombie-finish-1", &body).await;
+    let successors = retry.bytes().await.unwrap();
+
+    let woke = zombie_answer.await.unwrap().expect("the zombie answers once it wakes");
+    assert_eq!(woke.status(), StatusCode::CREATED);
+    assert_eq!(woke.headers()["idempotent-replayed"], "true", "it answers what the key store holds");
+    let zombies = woke.bytes().await.unwrap();
+    let in_its_ledger: Vec<u8> =
+        sqlx::query_scalar("SELECT response_body FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_ne!(in_its_ledger, successors.to_vec(), "the two ledgers built different bytes");
+    assert_eq!(zombies, successors, "the zombie's client gets the successor's bytes");
+    assert_eq!(app.e1.statement().await.len(), 1, "the successor probed, not re-sent");
+    assert_eq!(app.e2.statement().await.len(), 1);
 }
