@@ -11,6 +11,8 @@ use std::time::Duration;
 use clap::{Args, Parser};
 use sqlx::postgres::PgConnectOptions;
 
+use crate::rail::RailClient;
+
 /// Where the key table lives and how the SDK talks to it.
 #[derive(Args, Clone, Debug)]
 pub struct KeyStoreSettings {
@@ -175,9 +177,13 @@ pub struct ServeSettings {
     /// Lease length in milliseconds: how long a silent owner keeps a request.
     #[arg(long = "lease-ms", env = "KEYFENCE_LEASE_MS", default_value = "10000", value_parser = parse_millis)]
     pub lease: Duration,
-    /// Time limit of one call to an external system, in milliseconds.
-    #[arg(long = "rail-timeout-ms", env = "KEYFENCE_RAIL_TIMEOUT_MS", default_value = "2000", value_parser = parse_millis)]
+    /// Time limit of one attempt at an external system, in milliseconds.
+    #[arg(long = "rail-timeout-ms", env = "KEYFENCE_RAIL_TIMEOUT_MS", default_value = "1000", value_parser = parse_millis)]
     pub rail_timeout: Duration,
+    /// Attempts per call to an external system when it answers "not applied" (503, 429, refused).
+    #[arg(long = "rail-attempts", env = "KEYFENCE_RAIL_ATTEMPTS", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..=10))]
+    pub rail_attempts: u32,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,
@@ -192,6 +198,30 @@ pub struct ServeSettings {
     #[arg(long = "retention-hours", env = "KEYFENCE_RETENTION_HOURS", default_value_t = 72,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub retention_hours: u64,
+}
+
+impl ServeSettings {
+    /// What makes these settings unable to work together, if anything. An
+    /// owner checks its lease before each external call and renews it once
+    /// a third is gone, so the longest call (every attempt timing out) must
+    /// fit in a third of the lease; otherwise the lease can run out while a
+    /// call is in flight and a second owner would start beside the first.
+    pub fn conflicts(&self) -> Vec<String> {
+        let longest = RailClient::longest_call(self.rail_timeout, self.rail_attempts);
+        let mut conflicts = Vec::new();
+        if longest * 3 > self.lease {
+            conflicts.push(format!(
+                "a call to a rail can take {} ms ({} attempts of KEYFENCE_RAIL_TIMEOUT_MS={} with backoff), more than a \
+                 third of KEYFENCE_LEASE_MS={}: raise the lease to at least {} ms, or lower the rail timeout or attempts",
+                longest.as_millis(),
+                self.rail_attempts,
+                self.rail_timeout.as_millis(),
+                self.lease.as_millis(),
+                (longest * 3).as_millis(),
+            ));
+        }
+        conflicts
+    }
 }
 
 fn default_instance() -> String {

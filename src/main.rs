@@ -11,7 +11,7 @@ use keyfence::domain::{ApiKey, Millis};
 use keyfence::keystore::{self, DynamoKeyStore, TableChange};
 use keyfence::ledger::Ledger;
 use keyfence::rail::RailClient;
-use keyfence::startup::{Application, shutdown_signal};
+use keyfence::startup::{Application, StartupError, shutdown_signal};
 use keyfence::{bench, rail, reconcile, recovery, startup, telemetry};
 
 #[derive(Parser)]
@@ -198,7 +198,7 @@ async fn main() -> anyhow::Result<ExitCode> {
     let _failpoints = keyfence::failpoint::from_env();
     let done = |result: anyhow::Result<()>| result.map(|()| ExitCode::SUCCESS);
     let outcome = match cli.command {
-        Command::Serve(settings) => done(serve(*settings).await),
+        Command::Serve(settings) => serve(*settings).await,
         Command::Migrate(args) => done(migrate(args).await),
         Command::Clients(ClientsCommand::Add { name, ledger, json }) => done(add_client(&name, &ledger, json).await),
         Command::RailSim(args) => done(rail_sim(args).await),
@@ -312,8 +312,8 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let floor = bench::front_door::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
         ledger,
-        e1: RailClient::new(&s.e1_url, s.rail_timeout),
-        e2: RailClient::new(&s.e2_url, s.rail_timeout),
+        e1: RailClient::new(&s.e1_url, s.rail_timeout, s.rail_attempts),
+        e2: RailClient::new(&s.e2_url, s.rail_timeout, s.rail_attempts),
     };
     let plan = bench::front_door::BenchPlan {
         url: args.url.clone(),
@@ -331,14 +331,22 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve(settings: ServeSettings) -> anyhow::Result<()> {
-    let app = Application::build(&settings).await.context("starting the front door")?;
+/// Exit status 2 when the settings cannot work together.
+async fn serve(settings: ServeSettings) -> anyhow::Result<ExitCode> {
+    let app = match Application::build(&settings).await {
+        Ok(app) => app,
+        Err(e @ StartupError::Settings(_)) => {
+            eprintln!("keyfence serve: {e}");
+            return Ok(ExitCode::from(2));
+        }
+        Err(e) => return Err(e).context("starting the front door"),
+    };
     let addr = app.local_addr()?;
     tracing::info!(%addr, region = %settings.region, "keyfence serving");
     println!("keyfence: listening on http://{addr}");
     app.run_until_stopped(shutdown_signal()).await?;
     tracing::info!("keyfence stopped");
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow::Result<()> {

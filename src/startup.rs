@@ -27,6 +27,9 @@ pub enum StartupError {
     Ledger(#[from] LedgerError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
+    /// Settings that cannot work together; nothing was started.
+    #[error("settings that cannot work together:\n  {}", .0.join("\n  "))]
+    Settings(Vec<String>),
 }
 
 /// What `keyfence migrate` did to each store.
@@ -50,8 +53,8 @@ pub async fn build_engine(settings: &ServeSettings) -> Result<Engine<DynamoKeySt
     let keys = DynamoKeyStore::new(keystore::connect(&settings.keys).await, settings.keys.table.clone());
     let ledger = Ledger::connect(&settings.ledger).await?;
     let rails = Rails {
-        screening: RailClient::new(&settings.e1_url, settings.rail_timeout),
-        payment: RailClient::new(&settings.e2_url, settings.rail_timeout),
+        screening: RailClient::new(&settings.e1_url, settings.rail_timeout, settings.rail_attempts),
+        payment: RailClient::new(&settings.e2_url, settings.rail_timeout, settings.rail_attempts),
     };
     let engine_settings = EngineSettings {
         region: settings.region.clone(),
@@ -73,7 +76,12 @@ pub struct Application {
 }
 
 impl Application {
+    /// Builds it, refusing settings that cannot work together.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
+        let conflicts = settings.conflicts();
+        if !conflicts.is_empty() {
+            return Err(StartupError::Settings(conflicts));
+        }
         let engine = Arc::new(build_engine(settings).await?);
         let state = AppState { engine: engine.clone() };
         let listener = TcpListener::bind(settings.listen)

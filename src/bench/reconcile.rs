@@ -100,8 +100,8 @@ async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -
         keys.clone(),
         ledger.clone(),
         Rails {
-            screening: RailClient::new(&e1, Duration::from_secs(2)),
-            payment: RailClient::new(&e2, Duration::from_secs(2)),
+            screening: RailClient::new(&e1, Duration::from_secs(2), 3),
+            payment: RailClient::new(&e2, Duration::from_secs(2), 3),
         },
         EngineSettings {
             region: settings.region.clone(),

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::domain::{Millis, RecoveryPoint};
+use crate::domain::{Millis, RecoveryPoint, StoredResponse};
 use crate::keystore::{Holder, KeyItem, KeyStore, Lease};
 use crate::ledger::RequestRecord;
 
@@ -25,6 +25,10 @@ pub(super) struct Attempt {
     /// anything, so its calls need no probe first. Every other attempt (a
     /// takeover, a rebuild) probes before any send.
     pub fresh: bool,
+    /// The answer clients were already given, when rebuilding a finished
+    /// key: the ledger stores these bytes rather than its own, in the same
+    /// transaction that finishes the request.
+    pub known_answer: Option<StoredResponse>,
 }
 
 impl Attempt {
@@ -43,6 +47,7 @@ impl Attempt {
             at,
             commit_attempted: false,
             fresh,
+            known_answer: None,
         }
     }
 

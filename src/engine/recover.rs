@@ -61,17 +61,14 @@ impl<K: KeyStore> Engine<K> {
     /// lease (joining a ledger row at that same fence, unlike a takeover);
     /// the phases' recovery-point checks stop a second rebuilder.
     /// External steps are probed by derived key and re-sent (same key) only
-    /// if the rail never saw them. The ledger then stores the key's answer,
-    /// the bytes clients have already been given.
+    /// if the rail never saw them. The phase that finishes it stores the
+    /// key's answer, the bytes clients have already been given, so no
+    /// moment shows the ledger finished with other bytes.
     pub async fn rebuild<O: Operation>(&self, item: &KeyItem, op: &O) -> Result<Answer, EngineError> {
         let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED, false);
         attempt.lease_until = Millis::new(u64::MAX);
+        attempt.known_answer = item.response.clone();
         attempt.at = self.ledger.adopt(&attempt.record, item.fence, Adoption::Rebuild).await?;
-        let answer = self.drive_to_answer(op, &mut attempt).await?;
-        if let (Answer::Final { .. }, Some(response)) = (&answer, &item.response) {
-            self.ledger.replace_answer(&attempt.record, item.fence, response).await?;
-            return Ok(Answer::Final { response: response.clone(), replayed: true });
-        }
-        Ok(answer)
+        self.drive_to_answer(op, &mut attempt).await
     }
 }

@@ -186,7 +186,7 @@ impl<K: KeyStore> Engine<K> {
                 Work::Local(point) => {
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     if let Some(answer) = op.local(point, &mut cx).await? {
-                        phase.store_answer(&attempt.record, &answer).await?;
+                        phase.store_answer(&attempt.record, attempt.known_answer.as_ref().unwrap_or(&answer)).await?;
                     }
                 }
                 Work::Intent(ext) => {
@@ -197,7 +197,7 @@ impl<K: KeyStore> Engine<K> {
                     let Some(Verdict::Declined(declined)) = outcome else { return Err(missing()) };
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     let answer = op.declined(ext, declined, &mut cx).await?;
-                    phase.store_answer(&attempt.record, &answer).await?;
+                    phase.store_answer(&attempt.record, attempt.known_answer.as_ref().unwrap_or(&answer)).await?;
                 }
             }
         }

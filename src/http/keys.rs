@@ -1,6 +1,7 @@
 //! `/v1/idempotency-keys/{key}`: what became of one of the caller's keys.
 //! Keys are looked up inside the caller's namespace only, so another
-//! client's key is indistinguishable from one never used (404).
+//! client's key is indistinguishable from one never used (404), and so is a
+//! key past its retention.
 
 use axum::Json;
 use axum::extract::{Path, State};
@@ -10,7 +11,7 @@ use time::format_description::well_known::Rfc3339;
 
 use super::extract::Caller;
 use super::{ApiError, AppState};
-use crate::domain::{IdempotencyKey, ScopedKey};
+use crate::domain::{IdempotencyKey, Millis, ScopedKey};
 use crate::engine::EngineError;
 use crate::keystore::KeyStore;
 
@@ -26,6 +27,7 @@ pub async fn show(
         .get(&ScopedKey::new(client, key))
         .await
         .map_err(EngineError::from)?
+        .filter(|item| !item.expired(Millis::now()))
         .ok_or(ApiError::NotFound)?;
     let created_at = crate::ledger::timestamp(item.created_at).format(&Rfc3339).ok();
     Ok(Json(json!({

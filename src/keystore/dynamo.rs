@@ -111,11 +111,21 @@ impl DynamoKeyStore {
 
 /// Names used in every condition; `state` and `owner` are reserved words.
 fn names() -> HashMap<String, String> {
-    [("#state", attr::STATE), ("#fence", attr::FENCE), ("#lease", attr::LEASE_UNTIL), ("#owner", attr::OWNER)]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+    [
+        ("#state", attr::STATE),
+        ("#fence", attr::FENCE),
+        ("#lease", attr::LEASE_UNTIL),
+        ("#owner", attr::OWNER),
+        ("#expires", attr::EXPIRES_AT),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
 }
+
+/// The condition of a claim: the key was never seen, or its item is past
+/// its retention and only waits to be reaped (see [`KeyItem::expired`]).
+const ABSENT_OR_EXPIRED: &str = "attribute_not_exists(pk) OR (#state = :finished AND #expires < :now)";
 
 /// The condition of every owner write: the item is still in flight and held
 /// by this very attempt (its fence and its identity).
@@ -130,7 +140,10 @@ impl KeyStore for DynamoKeyStore {
             .put_item()
             .table_name(&self.table)
             .set_item(Some(encode(&item)))
-            .condition_expression("attribute_not_exists(pk)")
+            .condition_expression(ABSENT_OR_EXPIRED)
+            .set_expression_attribute_names(Some(names_for(&["#state", "#expires"])))
+            .expression_attribute_values(":finished", s(KeyState::Finished.as_str()))
+            .expression_attribute_values(":now", n(claim.lease.now.as_secs()))
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
@@ -164,7 +177,7 @@ impl KeyStore for DynamoKeyStore {
             .key(attr::PK, Self::pk(key))
             .update_expression("SET #fence = :next, #lease = :until, #owner = :owner")
             .condition_expression("#state = :started AND #lease < :now AND #fence = :seen")
-            .set_expression_attribute_names(Some(names()))
+            .set_expression_attribute_names(Some(names_for(&["#fence", "#lease", "#owner", "#state"])))
             .expression_attribute_values(":next", n(seen.next().get()))
             .expression_attribute_values(":until", n(lease.until().get()))
             .expression_attribute_values(":owner", s(owner.as_str()))

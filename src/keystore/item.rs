@@ -107,6 +107,13 @@ impl KeyItem {
         Holder { fence: self.fence, owner: self.owner.clone() }
     }
 
+    /// Past its retention at `now`: a finished item whose time-to-live has
+    /// run out. DynamoDB reaps such items lazily (up to days later), so
+    /// everyone treats it as absent from that second on.
+    pub fn expired(&self, now: Millis) -> bool {
+        self.state == KeyState::Finished && self.expires_at.is_some_and(|at| at < now.as_secs())
+    }
+
     /// Whether `holder` holds this item and it is still in flight.
     pub fn held_by(&self, holder: &Holder) -> bool {
         self.state == KeyState::Started && self.fence == holder.fence && self.owner == holder.owner

@@ -33,7 +33,8 @@ fn fenced_out(current: Option<&KeyItem>) -> KeyStoreError {
 
 impl KeyStore for MemoryKeyStore {
     async fn claim(&self, claim: &Claim) -> Result<KeyItem, KeyStoreError> {
-        self.with_items(|items| match items.get(&claim.key.partition_key()) {
+        let live = |item: &&KeyItem| !item.expired(claim.lease.now);
+        self.with_items(|items| match items.get(&claim.key.partition_key()).filter(live) {
             Some(existing) if existing.owner == claim.owner && existing.fence == Fence::FIRST => Ok(existing.clone()),
             Some(existing) => Err(KeyStoreError::Taken(Some(Box::new(existing.clone())))),
             None => {

@@ -95,8 +95,10 @@ pub enum Release {
 /// [`KeyStoreError::Taken`] or [`KeyStoreError::FencedOut`] carrying the item
 /// as it stood, so a loser learns the current state without a second read.
 pub trait KeyStore: Send + Sync {
-    /// Creates the item if the key was never seen. A loser gets
-    /// `Taken(existing)` from the same round trip.
+    /// Creates the item if the key was never seen, or if its item is past
+    /// its retention ([`KeyItem::expired`]): a new request, with a new
+    /// payment id and fence 1. A loser gets `Taken(existing)` from the same
+    /// round trip.
     fn claim(&self, claim: &Claim) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
 
     /// Replaces the owner of a started item whose lease ended before

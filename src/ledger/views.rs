@@ -25,6 +25,8 @@ pub struct LedgerView {
     pub payment_status: Option<String>,
     /// The oldest last attempt among calls whose outcome is unknown.
     pub unknown_since: Option<OffsetDateTime>,
+    /// When the request last moved (for a finished one: when it finished).
+    pub updated_at: Millis,
 }
 
 #[derive(FromRow)]
@@ -43,11 +45,12 @@ struct ViewRow {
     response_body: Option<Vec<u8>>,
     payment_status: Option<String>,
     unknown_since: Option<OffsetDateTime>,
+    updated_at: OffsetDateTime,
 }
 
 const VIEW_COLUMNS: &str =
     "r.client_id, r.idem_key, r.created_at, r.operation, r.request_hash, r.payment_id, r.request,
-       r.fence, r.recovery_point, r.response_status, r.response_headers, r.response_body,
+       r.fence, r.recovery_point, r.response_status, r.response_headers, r.response_body, r.updated_at,
        p.status AS payment_status,
        (SELECT min(c.last_attempt_at) FROM external_calls c
          WHERE (c.client_id, c.idem_key, c.request_created_at) = (r.client_id, r.idem_key, r.created_at)
@@ -81,6 +84,7 @@ impl ViewRow {
             answer,
             payment_status: self.payment_status,
             unknown_since: self.unknown_since,
+            updated_at: millis_of(self.updated_at),
         })
     }
 }
@@ -132,20 +136,6 @@ impl Ledger {
             .bind(timestamp(until))
             .fetch(&self.pool)
             .map(|row| row.map_err(LedgerError::from).and_then(ViewRow::into_view))
-    }
-
-    /// Replaces the stored answer of a finished request (fence-checked), so
-    /// the ledger holds exactly the bytes clients have been given.
-    pub async fn replace_answer(
-        &self,
-        request: &RequestRecord,
-        fence: Fence,
-        answer: &StoredResponse,
-    ) -> Result<(), LedgerError> {
-        let mut phase = self.begin_phase(request, fence, &RecoveryPoint::FINISHED, &RecoveryPoint::FINISHED).await?;
-        phase.store_answer(request, answer).await?;
-        phase.commit().await?;
-        Ok(())
     }
 
     /// Voids what this ledger holds of a request another owner finished:

@@ -42,23 +42,35 @@ pub enum ProbeOutcome {
 pub struct RailClient {
     http: reqwest::Client,
     base: String,
-    /// Inline retries of a definite "not applied"; each resends the same
-    /// key, so a retry can never be a second instruction.
-    retries: usize,
+    /// Attempts per send: a definite "not applied" is retried inline, each
+    /// time with the same key, so a retry can never be a second instruction.
+    attempts: u32,
 }
 
+/// The first pause between attempts; each next one doubles.
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+
 impl RailClient {
-    pub fn new(base: &str, timeout: Duration) -> Self {
+    /// A client whose every attempt is cut off after `timeout`.
+    pub fn new(base: &str, timeout: Duration, attempts: u32) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
             .build()
             .expect("an HTTP client with default TLS settings");
-        Self { http, base: base.trim_end_matches('/').to_owned(), retries: 2 }
+        Self { http, base: base.trim_end_matches('/').to_owned(), attempts: attempts.max(1) }
     }
 
-    /// Sends `instruction` under `key`, retrying a definite refusal a few
-    /// times with backoff; an unknown outcome is returned at once.
+    /// The longest one send can take: every attempt timing out, plus the
+    /// pauses between them. An owner must hold its lease at least this long
+    /// past the moment it calls.
+    pub fn longest_call(timeout: Duration, attempts: u32) -> Duration {
+        let pauses = (0..attempts.saturating_sub(1)).map(|i| FIRST_BACKOFF * 2_u32.pow(i)).sum::<Duration>();
+        timeout * attempts + pauses
+    }
+
+    /// Sends `instruction` under `key`, retrying a definite refusal with
+    /// backoff; a verdict or an unknown outcome is returned at once.
     #[tracing::instrument(skip(self, instruction), fields(rail = %self.base))]
     pub async fn send(&self, key: &str, instruction: &Instruction) -> CallOutcome {
         let attempt = || async {
@@ -67,8 +79,10 @@ impl RailClient {
                 settled => Ok(settled),
             }
         };
-        let backoff =
-            ExponentialBuilder::default().with_min_delay(Duration::from_millis(50)).with_max_times(self.retries);
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(FIRST_BACKOFF)
+            .with_factor(2.0)
+            .with_max_times(self.attempts as usize - 1);
         attempt.retry(backoff).await.unwrap_or_else(CallOutcome::NotApplied)
     }
 

@@ -64,6 +64,20 @@ pub struct Thresholds {
     pub stale_after: Duration,
     /// An outcome unknown for longer than this needs settling.
     pub unknown_after: Duration,
+    /// How long finished keys are kept: past it, a key is meant to be gone.
+    pub retention: Duration,
+}
+
+/// What a ledger request whose key is gone amounts to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Orphan {
+    /// Voided here already: nothing to compare.
+    Voided,
+    /// Finished longer ago than the retention: its key expired, as keys
+    /// are meant to. Counted, never repaired (a key is never resurrected).
+    Expired,
+    /// Its key should still be there.
+    KeyMissing,
 }
 
 /// Compares a key item with this region's ledger view of it.
@@ -96,8 +110,14 @@ pub fn classify(key: &KeyItem, ledger: Option<&LedgerView>, region: &str, t: &Th
 }
 
 /// A ledger request whose key is gone (checked with a consistent read).
-pub fn classify_orphan(ledger: &LedgerView) -> Option<Class> {
-    (ledger.recovery_point != RecoveryPoint::VOIDED).then_some(Class::KeyMissing)
+pub fn classify_orphan(ledger: &LedgerView, t: &Thresholds) -> Orphan {
+    if ledger.recovery_point == RecoveryPoint::VOIDED {
+        Orphan::Voided
+    } else if ledger.recovery_point == RecoveryPoint::FINISHED && ledger.updated_at.plus(t.retention) < t.now {
+        Orphan::Expired
+    } else {
+        Orphan::KeyMissing
+    }
 }
 
 #[cfg(test)]
@@ -116,6 +136,7 @@ mod tests {
         now: Millis::new(NOW),
         stale_after: Duration::from_secs(30),
         unknown_after: Duration::from_secs(60),
+        retention: Duration::from_secs(3600),
     };
 
     fn answer(body: &str) -> StoredResponse {
@@ -155,6 +176,7 @@ mod tests {
             payment_status: Some("succeeded".into()),
             unknown_since: unknown_since_ms
                 .map(|ms| OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).unwrap()),
+            updated_at: Millis::new(NOW - 1000),
         }
     }
 
@@ -205,7 +227,12 @@ mod tests {
 
     #[test]
     fn orphans() {
-        assert_eq!(classify_orphan(&view(RecoveryPoint::FINISHED, 1, Some("a"), None)), Some(Class::KeyMissing));
-        assert_eq!(classify_orphan(&view(RecoveryPoint::VOIDED, 1, None, None)), None);
+        let finished = view(RecoveryPoint::FINISHED, 1, Some("a"), None);
+        assert_eq!(classify_orphan(&finished, &T), Orphan::KeyMissing);
+        assert_eq!(classify_orphan(&view(RecoveryPoint::VOIDED, 1, None, None), &T), Orphan::Voided);
+        let long_ago = LedgerView { updated_at: Millis::new(NOW - 3_601_000), ..finished };
+        assert_eq!(classify_orphan(&long_ago, &T), Orphan::Expired, "its key was meant to expire");
+        let stuck = LedgerView { recovery_point: RecoveryPoint::named("EXT2_SENT"), ..long_ago };
+        assert_eq!(classify_orphan(&stuck, &T), Orphan::KeyMissing, "an unfinished key never expires");
     }
 }

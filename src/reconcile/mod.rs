@@ -5,10 +5,13 @@
 //! It scans the key table in parallel segments, looks up each page of keys
 //! in the ledger with one query, and classifies each request
 //! ([`classify`]); then it lists the ledger's requests in the window and
-//! checks that each still has a key. With `repair` it fixes each finding
-//! through the fence protocol ([`repair`]), so it is safe beside live
-//! traffic, the recovery worker and another reconciler, and safe to run
-//! again after being killed halfway. Report-only runs change nothing.
+//! checks that each still has a key (one finished longer ago than the
+//! retention has expired, as keys are meant to: counted, never resurrected).
+//! With `repair` it fixes each finding through the fence protocol
+//! ([`repair`]), so it is safe beside live traffic, the recovery worker and
+//! another reconciler, and safe to run again after being killed halfway;
+//! each repair is checked against the stores afterwards, and one that was
+//! refused or did not take stays unresolved. Report-only runs change nothing.
 
 mod classify;
 mod repair;
@@ -25,7 +28,7 @@ use crate::engine::{Engine, EngineError};
 use crate::keystore::{KeyItem, KeyStore};
 use crate::ledger::views::{LedgerView, RequestId};
 
-pub use classify::{Class, Thresholds, classify, classify_orphan};
+pub use classify::{Class, Orphan, Thresholds, classify, classify_orphan};
 pub use repair::Repair;
 pub use report::{Finding, Report};
 
@@ -64,8 +67,13 @@ pub async fn run<K: KeyStore>(
     progress: &impl Progress,
 ) -> Result<Report, EngineError> {
     let started = Instant::now();
-    let thresholds =
-        Thresholds { now: Millis::now(), stale_after: options.stale_after, unknown_after: options.unknown_after };
+    let thresholds = Thresholds {
+        now: Millis::now(),
+        stale_after: options.stale_after,
+        unknown_after: options.unknown_after,
+        retention: engine.retention(),
+    };
+    let now = thresholds.now;
     let found: Mutex<Vec<Found>> = Mutex::default();
     let seen: Mutex<HashSet<RequestId>> = Mutex::default();
     let scanned = Mutex::new(0_usize);
@@ -80,9 +88,11 @@ pub async fn run<K: KeyStore>(
                 let asked = Instant::now();
                 let (items, next) = engine.keys().scan(segment, options.segments.max(1), cursor).await?;
                 lock(waited).0 += asked.elapsed();
+                // An item past its retention is absent, whether or not the
+                // store has reaped it yet.
                 let items: Vec<KeyItem> = items
                     .into_iter()
-                    .filter(|i| i.created_at >= options.since && i.created_at < options.until)
+                    .filter(|i| i.created_at >= options.since && i.created_at < options.until && !i.expired(now))
                     .collect();
                 let wanted: Vec<_> = items.iter().map(|i| (i.key.clone(), i.created_at)).collect();
                 let asked = Instant::now();
@@ -115,9 +125,10 @@ pub async fn run<K: KeyStore>(
     }
 
     // Ledger requests whose key is gone. The scan is not a snapshot, so a
-    // key is declared missing only after a consistent read finds nothing.
+    // key is declared gone only after a consistent read finds no live item
+    // for this very request (a key reused after its retention is another).
     let seen = seen.into_inner().unwrap_or_else(|p| p.into_inner());
-    let mut ledger_rows_scanned = 0;
+    let (mut ledger_rows_scanned, mut expired) = (0, 0);
     let mut rows = std::pin::pin!(engine.ledger().requests_between(options.since, options.until));
     let mut asked = Instant::now();
     while let Some(view) = rows.next().await {
@@ -125,12 +136,17 @@ pub async fn run<K: KeyStore>(
         let view = view?;
         ledger_rows_scanned += 1;
         let orphan = !seen.contains(&(view.record.key.partition_key(), view.record.created_at));
-        if let Some(class) = classify_orphan(&view).filter(|_| orphan)
-            && engine.keys().get(&view.record.key).await?.is_none()
-        {
-            let evidence = format!("ledger at {} under fence {}; no key item", view.recovery_point, view.fence);
-            let finding = Finding::new(class, &view.record.key, view.record.payment_id, evidence);
-            lock(&found).push((finding, None, Some(view)));
+        let kind = classify_orphan(&view, &thresholds);
+        if orphan && kind != Orphan::Voided {
+            let current = engine.keys().get(&view.record.key).await?;
+            let gone = current.is_none_or(|item| item.expired(now) || item.created_at != view.record.created_at);
+            if gone && kind == Orphan::Expired {
+                expired += 1;
+            } else if gone {
+                let evidence = format!("ledger at {} under fence {}; no key item", view.recovery_point, view.fence);
+                let finding = Finding::new(Class::KeyMissing, &view.record.key, view.record.payment_id, evidence);
+                lock(&found).push((finding, None, Some(view)));
+            }
         }
         asked = Instant::now();
     }
@@ -160,6 +176,7 @@ pub async fn run<K: KeyStore>(
         repair: options.repair,
         keys_scanned: scanned.into_inner().unwrap_or_else(|p| p.into_inner()),
         ledger_rows_scanned,
+        expired,
         findings: found.into_iter().map(|(finding, _, _)| finding).collect(),
         indeterminate: engine.ledger().indeterminate().await?,
         seconds: started.elapsed().as_secs_f64(),

@@ -3,12 +3,21 @@
 //! half-published request is taken over and resumed like any retry would;
 //! a payment the ledger lost is rebuilt under the key's final fence, phase
 //! by phase (the phases' recovery-point checks stop a second rebuilder); a
-//! lost key is put back only where no item exists; a leftover is voided by
-//! compensating entries. An answer mismatch is left for a person.
+//! lost key is put back only where no item exists, under a fence above any
+//! the ledger has seen; a leftover is voided by compensating entries. An
+//! answer mismatch is left for a person, and so is a rebuild the ledger
+//! refuses (it holds a newer fence than the key).
+//!
+//! A repair is never taken at its word: afterwards the stores are read
+//! again, and only a divergence that is gone counts as resolved. When
+//! another actor was found at work (another reconciler, a retry, the
+//! recovery worker), its result is waited for a few seconds first.
+
+use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::domain::{Millis, Owner};
+use crate::domain::{Millis, Owner, RecoveryPoint};
 use crate::engine::{Answer, Engine, EngineError, PaymentOperation, Recovery};
 use crate::keystore::{KeyItem, KeyState, KeyStore, KeyStoreError, StaleKey};
 use crate::ledger::views::LedgerView;
@@ -18,17 +27,22 @@ use super::Class;
 /// What a repair did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Repair {
-    /// True once the divergence is gone (by this repair or by another actor).
+    /// True once the stores agree again (by this repair or by another actor).
     pub resolved: bool,
     pub action: String,
 }
 
-fn resolved(action: impl Into<String>) -> Repair {
-    Repair { resolved: true, action: action.into() }
-}
+/// How long to wait for another actor found at work on the same request.
+const OTHERS_WAIT: Duration = Duration::from_secs(5);
 
-fn unresolved(action: impl Into<String>) -> Repair {
-    Repair { resolved: false, action: action.into() }
+/// What a repair attempt came to, before the stores are read again.
+enum Acted {
+    /// It made its change.
+    Done(String),
+    /// Another actor is on it: check what it leaves, after a short wait.
+    Others(String),
+    /// Refused, or left alone on purpose: the divergence stands.
+    Unresolved(String),
 }
 
 /// Repairs one finding. `key` is the item as scanned (absent for a missing
@@ -39,65 +53,132 @@ pub async fn repair<K: KeyStore>(
     key: Option<&KeyItem>,
     ledger: Option<&LedgerView>,
 ) -> Result<Repair, EngineError> {
-    match (class, key, ledger) {
-        (Class::PaymentMissing, Some(key), _) => rebuild(engine, key).await,
+    let acted = match (class, key, ledger) {
+        (Class::PaymentMissing, Some(key), ledger) => rebuild(engine, key, ledger).await?,
+        (Class::UnknownOutcome, Some(key), _) if key.lease_until >= Millis::now() => Acted::Unresolved(format!(
+            "left alone: a live owner holds the lease (until {}) and probes the rail itself",
+            key.lease_until.get()
+        )),
         (Class::KeyNotFinished | Class::StaleInFlight | Class::UnknownOutcome, Some(key), _) => {
-            resume(engine, key).await
+            resume(engine, key).await?
         }
-        (Class::KeyMissing, None, Some(ledger)) => restore_key(engine, ledger).await,
+        (Class::KeyMissing, None, Some(ledger)) => restore_key(engine, ledger).await?,
         (Class::FencedLeftover, Some(key), Some(ledger)) => {
             engine.ledger().void(&ledger.record, key.fence, &ledger.recovery_point).await?;
-            Ok(resolved(format!(
+            Acted::Done(format!(
                 "voided this ledger's entries (written under fence {}) by compensating postings",
                 ledger.fence
-            )))
+            ))
         }
-        (Class::AnswerMismatch, _, _) => Ok(unresolved(
-            "not repaired: clients have been given the key store's answer; compare both and decide by hand",
-        )),
-        (class, _, _) => Err(EngineError::Fault(format!("{class:?}: the finding lacks what its repair needs"))),
+        (Class::AnswerMismatch, _, _) => Acted::Unresolved(
+            "not repaired: clients have been given the key store's answer; compare both and decide by hand".into(),
+        ),
+        (class, _, _) => return Err(EngineError::Fault(format!("{class:?}: the finding lacks what its repair needs"))),
+    };
+    let (action, wait) = match acted {
+        Acted::Unresolved(action) => return Ok(Repair { resolved: false, action }),
+        Acted::Done(action) => (action, Duration::ZERO),
+        Acted::Others(action) => (action, OTHERS_WAIT),
+    };
+    let Some(request) = key.map(|k| (&k.key, k.created_at)).or(ledger.map(|l| (&l.record.key, l.record.created_at)))
+    else {
+        return Err(EngineError::Fault("a finding names no request".into()));
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        if gone(engine, class, request, key).await? {
+            return Ok(Repair { resolved: true, action });
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Repair { resolved: false, action: format!("{action}; but the divergence is still there") });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 
-async fn rebuild<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Repair, EngineError> {
+/// Whether the stores, read again now, no longer show the divergence.
+async fn gone<K: KeyStore>(
+    engine: &Engine<K>,
+    class: Class,
+    (key, created_at): (&crate::domain::ScopedKey, Millis),
+    scanned: Option<&KeyItem>,
+) -> Result<bool, EngineError> {
+    let item = engine.keys().get(key).await?.filter(|item| item.created_at == created_at);
+    let finished = item.as_ref().is_some_and(|item| item.state == KeyState::Finished);
+    Ok(match class {
+        Class::KeyNotFinished | Class::StaleInFlight | Class::UnknownOutcome | Class::KeyMissing => finished,
+        Class::PaymentMissing | Class::FencedLeftover => {
+            let views = engine.ledger().views(&[(key.clone(), created_at)]).await?;
+            let view = views.into_values().next();
+            match class {
+                Class::FencedLeftover => view.is_some_and(|v| v.recovery_point == RecoveryPoint::VOIDED),
+                _ => view.is_some_and(|v| {
+                    v.recovery_point == RecoveryPoint::FINISHED
+                        && v.payment_status.is_some()
+                        && v.answer == scanned.and_then(|k| k.response.clone())
+                }),
+            }
+        }
+        Class::AnswerMismatch => false,
+    })
+}
+
+async fn rebuild<K: KeyStore>(
+    engine: &Engine<K>,
+    key: &KeyItem,
+    ledger: Option<&LedgerView>,
+) -> Result<Acted, EngineError> {
+    if let Some(ledger) = ledger.filter(|l| l.fence > key.fence) {
+        return Ok(Acted::Unresolved(format!(
+            "refused: this ledger holds the request under fence {}, newer than the key's final fence {}; \
+             a later owner wrote here, so compare both by hand",
+            ledger.fence, key.fence
+        )));
+    }
     let op = PaymentOperation::from_canonical(&key.request)?;
-    match engine.rebuild(key, &op).await {
-        Ok(Answer::Final { .. }) => Ok(resolved("rebuilt the payment from the stored request and the rails' records")),
-        Ok(Answer::Pending { .. }) => Ok(unresolved("rebuilt up to a call whose outcome is unknown; run again later")),
-        Ok(other) => Ok(unresolved(format!("rebuild stopped: {other:?}"))),
+    Ok(match engine.rebuild(key, &op).await {
+        Ok(Answer::Final { .. }) => {
+            Acted::Done("rebuilt the payment from the stored request and the rails' records".into())
+        }
+        Ok(Answer::Pending { .. }) => {
+            Acted::Unresolved("rebuilt up to a call whose outcome is unknown; run again later".into())
+        }
+        Ok(other) => Acted::Unresolved(format!("rebuild stopped: {other:?}")),
         // A phase was already past where this rebuild stood: another
         // reconciler is rebuilding it (if it dies, the next run resumes).
-        Err(EngineError::FencedOut) => Ok(resolved("another reconciler was already rebuilding it")),
-        Err(e) => Err(e),
-    }
+        Err(EngineError::FencedOut) => Acted::Others("another reconciler is rebuilding it".into()),
+        Err(e) => return Err(e),
+    })
 }
 
-async fn resume<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Repair, EngineError> {
+async fn resume<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Acted, EngineError> {
     let stale = StaleKey {
         key: key.key.clone(),
         fence: key.fence,
         home_region: key.home_region.clone(),
         lease_until: key.lease_until,
     };
-    match engine.recover(&stale, PaymentOperation::from_canonical).await {
-        Ok(Recovery::Resumed(Answer::Final { .. })) => Ok(resolved("took it over and finished it")),
-        Ok(Recovery::Resumed(Answer::Pending { .. })) => Ok(unresolved(
-            "took it over; the external outcome is still unknown (probed, parked, listed if indeterminate)",
-        )),
-        Ok(Recovery::Lost) | Err(EngineError::FencedOut) => Ok(resolved("another owner took it over first")),
-        Ok(other) => Ok(unresolved(format!("not resumed: {other:?}"))),
-        Err(e) => Err(e),
-    }
+    Ok(match engine.recover(&stale, PaymentOperation::from_canonical).await {
+        Ok(Recovery::Resumed(Answer::Final { .. })) => Acted::Done("took it over and finished it".into()),
+        Ok(Recovery::Resumed(Answer::Pending { .. })) => Acted::Unresolved(
+            "took it over; the external outcome is still unknown (probed, parked, listed if indeterminate)".into(),
+        ),
+        Ok(Recovery::Lost) | Err(EngineError::FencedOut) => Acted::Others("another owner holds it now".into()),
+        Ok(other) => Acted::Unresolved(format!("not resumed: {other:?}")),
+        Err(e) => return Err(e),
+    })
 }
 
-async fn restore_key<K: KeyStore>(engine: &Engine<K>, ledger: &LedgerView) -> Result<Repair, EngineError> {
-    let finished = ledger.answer.is_some() && ledger.recovery_point == crate::domain::RecoveryPoint::FINISHED;
+async fn restore_key<K: KeyStore>(engine: &Engine<K>, ledger: &LedgerView) -> Result<Acted, EngineError> {
+    let finished = ledger.answer.is_some() && ledger.recovery_point == RecoveryPoint::FINISHED;
     let item = KeyItem {
         key: ledger.record.key.clone(),
         request_hash: ledger.record.request_hash.clone(),
         request: ledger.record.request.clone(),
         state: if finished { KeyState::Finished } else { KeyState::Started },
-        fence: ledger.fence,
+        // Above any fence the ledger has seen: whoever held the old one
+        // (a stalled owner, say) can never write again.
+        fence: ledger.fence.next(),
         // A restored in-flight key has no live owner: its lease is over.
         lease_until: Millis::new(0),
         owner: Owner::attempt_of("reconciler"),
@@ -107,16 +188,14 @@ async fn restore_key<K: KeyStore>(engine: &Engine<K>, ledger: &LedgerView) -> Re
         response: if finished { ledger.answer.clone() } else { None },
         expires_at: finished.then(|| Millis::now().plus(engine.retention()).as_secs()),
     };
-    match engine.keys().restore(&item).await {
-        Ok(()) if finished => Ok(resolved("recreated the finished key with the ledger's answer")),
-        Ok(()) => {
-            let resumed = resume(engine, &item).await?;
-            Ok(Repair {
-                resolved: resumed.resolved,
-                action: format!("recreated the key in flight, then {}", resumed.action),
-            })
-        }
-        Err(KeyStoreError::Taken(_)) => Ok(resolved("the key exists again (restored by another reconciler)")),
-        Err(e) => Err(e.into()),
-    }
+    Ok(match engine.keys().restore(&item).await {
+        Ok(()) if finished => Acted::Done("recreated the finished key with the ledger's answer".into()),
+        Ok(()) => match resume(engine, &item).await? {
+            Acted::Done(action) => Acted::Done(format!("recreated the key in flight, then {action}")),
+            Acted::Others(action) => Acted::Others(format!("recreated the key in flight, then {action}")),
+            Acted::Unresolved(action) => Acted::Unresolved(format!("recreated the key in flight, then {action}")),
+        },
+        Err(KeyStoreError::Taken(_)) => Acted::Others("the key exists again (restored by another reconciler)".into()),
+        Err(e) => return Err(e.into()),
+    })
 }

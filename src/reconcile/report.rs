@@ -47,6 +47,9 @@ pub struct Report {
     pub repair: bool,
     pub keys_scanned: usize,
     pub ledger_rows_scanned: usize,
+    /// Ledger requests finished longer ago than the retention whose key is
+    /// gone, as it is meant to be: no divergence.
+    pub expired: usize,
     pub findings: Vec<Finding>,
     pub indeterminate: Vec<Indeterminate>,
     pub seconds: f64,
@@ -87,6 +90,7 @@ impl Report {
             "mode": if self.repair { "repair" } else { "report" },
             "keys_scanned": self.keys_scanned,
             "ledger_rows_scanned": self.ledger_rows_scanned,
+            "expired": self.expired,
             "seconds": self.seconds,
             "key_store_seconds": self.key_store_seconds,
             "ledger_seconds": self.ledger_seconds,
@@ -120,6 +124,7 @@ impl Report {
         for (class, count) in self.counts() {
             out += &format!("{class:<18} {:>7} {:>9}\n", count.found, count.repaired);
         }
+        out += &format!("expired (past retention, key gone as meant): {}\n", self.expired);
         out += &format!("unrepaired divergence: {}\n", self.unrepaired());
         if !self.indeterminate.is_empty() {
             out += &format!("indeterminate external calls, for settlement: {}\n", self.indeterminate.len());

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use crate::harness::{TestKeys, TestLedger};
+use crate::proxy::Proxy;
 
 /// A rail simulator on a random local port.
 pub struct TestRail {
@@ -102,7 +103,8 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         e1_url: e1.url.clone(),
         e2_url: e2.url.clone(),
         lease: Duration::from_secs(10),
-        rail_timeout: Duration::from_secs(2),
+        rail_timeout: Duration::from_secs(1),
+        rail_attempts: 3,
         body_limit: 16 * 1024,
         recovery_interval_ms: 0,
         max_unknown_attempts: 5,
@@ -210,6 +212,20 @@ impl TestApp {
         .fetch_one(self.db.ledger.pool())
         .await
         .unwrap()
+    }
+
+    /// This app's settings with the ledger reached through a proxy the test
+    /// can cut (a partition between the service and PostgreSQL).
+    pub async fn behind_a_proxied_ledger(&self) -> (Proxy, ServeSettings) {
+        let postgres = self.db.settings.database_url.options();
+        let target = format!("{}:{}", postgres.get_host(), postgres.get_port());
+        let proxy = Proxy::start(tokio::net::lookup_host(target).await.unwrap().next().unwrap()).await;
+        let mut url = reqwest::Url::parse(&self.db.url).unwrap();
+        url.set_host(Some("127.0.0.1")).unwrap();
+        url.set_port(Some(proxy.addr.port())).unwrap();
+        let mut settings = self.settings.clone();
+        settings.ledger.database_url = url.as_str().parse().unwrap();
+        (proxy, settings)
     }
 
     /// Items in the key table.

@@ -140,6 +140,10 @@ async fn adopting_fences_the_previous_owner_out_before_any_new_phase() {
     let req = request();
     // Nothing committed yet: adopting creates the row at STARTED.
     assert_eq!(db.ledger.adopt(&req, Fence::new(2), Adoption::Takeover).await.unwrap(), RecoveryPoint::STARTED);
+    // A fence is granted once: a second takeover adoption under it is refused,
+    // while a rebuild under a key's final fence may join it.
+    assert!(db.ledger.adopt(&req, Fence::new(2), Adoption::Takeover).await.is_err(), "fence 2 adopted twice");
+    assert_eq!(db.ledger.adopt(&req, Fence::new(2), Adoption::Rebuild).await.unwrap(), RecoveryPoint::STARTED);
     // The old owner wakes and tries its first phase: refused.
     assert!(matches!(first_phase(&db.ledger, &req, Fence::FIRST).await, Err(LedgerError::FencedOut { .. })));
     assert_eq!(counts(&db.ledger).await, (1, 0, 0));

@@ -37,7 +37,11 @@ async fn fail_the_first_phase_once(app: &TestApp) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_forget_never_deletes_a_newer_claim() {
-    let app = spawn_app_with(|s| s.rail_timeout = Duration::from_secs(5)).await;
+    let app = spawn_app_with(|s| {
+        (s.rail_timeout, s.rail_attempts) = (Duration::from_secs(5), 1);
+        s.lease = Duration::from_secs(15);
+    })
+    .await;
     fail_the_first_phase_once(&app).await;
     // The forget lands; its reply is lost 1.5 s later and the SDK retries it.
     app.keys.arm(json!({ "operation": "DeleteItem", "count": 1, "action": "drop_reply", "delay_ms": 1500 })).await;

@@ -20,11 +20,13 @@ mod lost_replies;
 mod process;
 mod protocol_model;
 mod proxy;
+mod rail_keys;
 mod rail_outage;
 mod reconcile;
 #[cfg(feature = "failpoints")]
 mod reconcile_crashes;
 mod store_errors;
+mod takeovers;
 mod telemetry;
 #[cfg(feature = "failpoints")]
 mod zombies;

@@ -29,7 +29,9 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
         .env("KEYFENCE_E1_URL", &app.e1.url)
         .env("KEYFENCE_E2_URL", &app.e2.url)
         .env("KEYFENCE_LEASE_MS", LEASE_MS.to_string())
-        .env("KEYFENCE_RAIL_TIMEOUT_MS", "1000")
+        // The longest rail call must fit in a third of the lease.
+        .env("KEYFENCE_RAIL_TIMEOUT_MS", "330")
+        .env("KEYFENCE_RAIL_ATTEMPTS", "1")
         .env("RUST_LOG", "warn")
         .env_remove("FAILPOINTS")
         .stderr(Stdio::inherit())

@@ -23,6 +23,7 @@ async fn a_silent_rail_parks_the_payment_until_it_answers_again() {
     let app = spawn_app_with(|s| {
         s.lease = Duration::from_millis(1000);
         s.rail_timeout = Duration::from_millis(300);
+        s.rail_attempts = 1;
         s.recovery_interval_ms = 200;
         s.max_unknown_attempts = 3;
     })

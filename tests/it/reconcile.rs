@@ -43,7 +43,7 @@ fn classes(report: &Report) -> Vec<Class> {
 }
 
 /// Pays once through the front door; returns the key and the 201's bytes.
-async fn pay_once(app: &TestApp, key: &str) -> (ScopedKey, Vec<u8>) {
+pub async fn pay_once(app: &TestApp, key: &str) -> (ScopedKey, Vec<u8>) {
     let response = app.pay(key, &payment(&format!("E2E-{key}"))).await;
     assert_eq!(response.status(), StatusCode::CREATED);
     let scoped = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(key).unwrap());
@@ -52,7 +52,7 @@ async fn pay_once(app: &TestApp, key: &str) -> (ScopedKey, Vec<u8>) {
 
 /// Erases a request from the ledger, as a failover to a replica that never
 /// got its commits would (history is append-only, so triggers are set aside).
-async fn lose_from_ledger(app: &TestApp, key: &ScopedKey) {
+pub async fn lose_from_ledger(app: &TestApp, key: &ScopedKey) {
     let mut tx = app.db.ledger.pool().begin().await.unwrap();
     sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await.unwrap();
     for table in ["outbox", "postings"] {
@@ -134,6 +134,7 @@ async fn a_lost_key_is_recreated_so_a_retry_replays_instead_of_paying_again() {
     assert_eq!(repaired.unrepaired(), 0, "{:?}", repaired.findings);
     let item = app.keys.store.get(&key).await.unwrap().expect("the key is back");
     assert_eq!(item.state, KeyState::Finished);
+    assert_eq!(item.fence, Fence::new(2), "above any fence the ledger has seen (1): none is granted twice");
     assert_replays(&app, &key, &bytes).await;
     assert_eq!(app.count("payments").await, 1, "the retry did not pay again");
     assert_eq!(app.e2.statement().await.len(), 1);
@@ -296,4 +297,79 @@ async fn a_finished_key_whose_instructions_never_reached_the_rails_is_completed_
     assert_eq!(app.unbalanced_payments().await, 0);
     assert_replays(&app, &key, &answer.body).await;
     assert_clean(&app).await;
+}
+
+#[tokio::test]
+async fn keys_past_their_retention_are_expired_not_missing_and_never_recreated() {
+    let app = spawn_app().await;
+    let (key, _) = pay_once(&app, "old-1").await;
+    let (kept, _) = pay_once(&app, "old-2").await;
+    // Three days and more go by: the ledger rows age past the retention,
+    // one key has been reaped, the other is past its time-to-live but not
+    // reaped yet (DynamoDB deletes lazily).
+    sqlx::query("UPDATE requests SET updated_at = now() - interval '73 hours'")
+        .execute(app.db.ledger.pool())
+        .await
+        .unwrap();
+    let client = app.keys.store.client();
+    client.delete_item().table_name(app.keys.store.table()).key("pk", pk(&key)).send().await.unwrap();
+    client
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", pk(&kept))
+        .update_expression("SET expires_at = :past")
+        .expression_attribute_values(":past", AttributeValue::N((Millis::now().as_secs() - 3600).to_string()))
+        .send()
+        .await
+        .unwrap();
+
+    let repaired = reconcile(&app, true).await;
+    assert!(repaired.findings.is_empty(), "{}", repaired.table());
+    assert_eq!(repaired.expired, 2, "both keys expired, as meant");
+    assert!(repaired.table().contains("expired (past retention, key gone as meant): 2"));
+    assert_eq!(app.keys.store.get(&key).await.unwrap(), None, "never recreated");
+    let unreaped = app.keys.store.get(&kept).await.unwrap().expect("still in the table");
+    assert!(unreaped.expires_at.unwrap() < Millis::now().as_secs(), "its time-to-live was not renewed");
+}
+
+#[tokio::test]
+async fn an_unknown_outcome_under_a_live_lease_is_left_alone() {
+    let app = spawn_app_with(|s| s.rail_timeout = Duration::from_millis(300)).await;
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    assert_eq!(app.pay("live-1", &payment("E2E-live-1")).await.status(), StatusCode::ACCEPTED);
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("live-1").unwrap());
+    // A live owner takes the parked request over and is still working it.
+    let parked = app.keys.store.get(&key).await.unwrap().unwrap();
+    let now = Millis::now();
+    let lease = keyfence::keystore::Lease { now, length: Duration::from_secs(600) };
+    let live = app.keys.store.take_over(&key, parked.fence, &Owner::attempt_of("live"), lease).await.unwrap();
+
+    let report = reconcile(&app, true).await;
+    assert_eq!(classes(&report), [Class::UnknownOutcome]);
+    let repair = report.findings[0].repair.as_ref().unwrap();
+    assert!(!repair.resolved && repair.action.contains("a live owner holds the lease"), "{repair:?}");
+    assert_eq!(app.keys.store.get(&key).await.unwrap().unwrap(), live, "the live owner keeps it");
+}
+
+/// A rebuild the ledger refuses: it holds the request under a newer fence
+/// than the key's final one. The reconciler must say so and exit 1, not
+/// call it repaired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_repair_stays_unresolved_and_exits_1() {
+    let app = spawn_app().await;
+    pay_once(&app, "refused-1").await;
+    sqlx::query("UPDATE requests SET fence = 5, recovery_point = 'EXT1_SENT'")
+        .execute(app.db.ledger.pool())
+        .await
+        .unwrap();
+
+    let run = crate::process::keyfence_command(&app, "reconcile").arg("--repair").output().await.unwrap();
+    let out = String::from_utf8_lossy(&run.stdout);
+    assert_eq!(run.status.code(), Some(1), "divergence remains: {out}");
+    assert!(out.contains("NOT repaired: refused"), "{out}");
+    assert!(out.contains("under fence 5, newer than the key's final fence 1"), "says why: {out}");
+    assert!(out.contains("unrepaired divergence: 1"), "{out}");
+    let point: String =
+        sqlx::query_scalar("SELECT recovery_point FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(point, "EXT1_SENT", "nothing changed");
 }

@@ -13,7 +13,6 @@ use serde_json::{Value, json};
 
 use crate::app::{TestApp, payment, spawn_app_with, start_instance};
 use crate::harness::eventually;
-use crate::proxy::Proxy;
 
 /// Attempts per key-store request in these tests (the SDK's retries included).
 const ATTEMPTS: u32 = 3;
@@ -64,6 +63,7 @@ async fn a_key_store_that_stops_answering_is_a_503_and_the_retry_finishes_once()
         s.keys.max_attempts = ATTEMPTS;
         s.keys.attempt_timeout = Duration::from_millis(300);
         s.lease = Duration::from_millis(1000);
+        (s.rail_timeout, s.rail_attempts) = (Duration::from_millis(300), 1);
     })
     .await;
     let body = payment("E2E-TIMEOUT");
@@ -87,14 +87,7 @@ async fn a_key_store_that_stops_answering_is_a_503_and_the_retry_finishes_once()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ledger_that_cannot_be_reached_is_a_503() {
     let app = spawn_app_with(|_| {}).await;
-    let postgres = app.db.settings.database_url.options();
-    let target = format!("{}:{}", postgres.get_host(), postgres.get_port());
-    let proxy = Proxy::start(tokio::net::lookup_host(target).await.unwrap().next().unwrap()).await;
-    let mut settings = app.settings.clone();
-    let mut url = reqwest::Url::parse(&app.db.url).unwrap();
-    url.set_host(Some("127.0.0.1")).unwrap();
-    url.set_port(Some(proxy.addr.port())).unwrap();
-    settings.ledger.database_url = url.as_str().parse().unwrap();
+    let (proxy, settings) = app.behind_a_proxied_ledger().await;
     let (instance, _stop) = start_instance(&settings).await;
     let body = payment("E2E-NO-LEDGER");
 
