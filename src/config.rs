@@ -187,6 +187,16 @@ pub struct ServeSettings {
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,
+    /// Time a client has to send a request's headers, and the longest an idle keep-alive connection stays open (ms).
+    #[arg(long = "header-timeout-ms", env = "KEYFENCE_HEADER_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    pub header_timeout: Duration,
+    /// Time a client has to send a request's whole body, in milliseconds (past it: 408).
+    #[arg(long = "body-timeout-ms", env = "KEYFENCE_BODY_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    pub body_timeout: Duration,
+    /// Connections served at once; more wait in the listen backlog.
+    #[arg(long = "max-connections", env = "KEYFENCE_MAX_CONNECTIONS", default_value_t = 1024,
+          value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u32).range(1..), |n| n as usize))]
+    pub max_connections: usize,
     /// How often the recovery worker looks for stale requests, in milliseconds (0: never).
     #[arg(long = "recovery-interval-ms", env = "KEYFENCE_RECOVERY_INTERVAL_MS", default_value_t = 5000)]
     pub recovery_interval_ms: u64,

@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 
 use crate::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
-use crate::http::{AppState, router};
+use crate::http::{AppState, router, server};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
@@ -71,6 +71,7 @@ pub struct Application {
     listener: TcpListener,
     router: Router,
     engine: Arc<Engine<DynamoKeyStore>>,
+    limits: server::Limits,
     /// `None`: no recovery worker in this process.
     recovery_interval: Option<Duration>,
 }
@@ -83,12 +84,17 @@ impl Application {
             return Err(StartupError::Settings(conflicts));
         }
         let engine = Arc::new(build_engine(settings).await?);
-        let state = AppState { engine: engine.clone() };
+        let state = AppState { engine: engine.clone(), body_limit: settings.body_limit };
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
         let recovery_interval = Some(Duration::from_millis(settings.recovery_interval_ms)).filter(|d| !d.is_zero());
-        Ok(Self { listener, router: router(state, settings.body_limit), engine, recovery_interval })
+        let limits = server::Limits {
+            header_read: settings.header_timeout,
+            body_read: settings.body_timeout,
+            max_connections: settings.max_connections,
+        };
+        Ok(Self { listener, router: router(state), engine, limits, recovery_interval })
     }
 
     /// Where it listens (useful when bound to port 0).
@@ -103,12 +109,11 @@ impl Application {
         let worker = self
             .recovery_interval
             .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped)));
-        let served = axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                drop(stop);
-            })
-            .await;
+        let served = server::serve(self.listener, self.router, self.limits, async move {
+            shutdown.await;
+            drop(stop);
+        })
+        .await;
         if let Some(worker) = worker {
             let _ = worker.await;
         }

@@ -20,7 +20,7 @@ pub use fence::Fence;
 pub use idempotency_key::{IdempotencyKey, InvalidKey};
 pub use millis::Millis;
 pub use owner::Owner;
-pub use payment::{FieldError, PaymentRequest};
+pub use payment::{FieldError, PaymentRequest, is_reference};
 pub use recovery_point::RecoveryPoint;
 pub use request_hash::RequestHash;
 pub use scoped_key::ScopedKey;

@@ -32,8 +32,18 @@ pub struct PaymentRequest {
 const MAX_AMOUNT_MINOR: i64 = 1_000_000_000_000_000;
 
 impl PaymentRequest {
-    /// Parses a JSON value (already known to be well-formed JSON).
+    /// Parses a JSON value (already known to be well-formed JSON). Only an
+    /// object with exactly the documented fields is a payment: serde would
+    /// also read a struct from an array, in field order, and a `null`
+    /// remittance would hash differently from one left out.
     pub fn parse(value: serde_json::Value) -> Result<Self, Vec<FieldError>> {
+        let Some(object) = value.as_object() else {
+            return Err(vec![FieldError { field: "body", message: "must be a JSON object".into() }]);
+        };
+        if object.get("remittance_info").is_some_and(serde_json::Value::is_null) {
+            let message = "must be a string; leave the field out for none".into();
+            return Err(vec![FieldError { field: "remittance_info", message }]);
+        }
         let request: PaymentRequest =
             serde_json::from_value(value).map_err(|e| vec![FieldError { field: "body", message: e.to_string() }])?;
         let errors = request.field_errors();
@@ -64,7 +74,7 @@ impl PaymentRequest {
             "must be 1-34 letters and digits (an IBAN or account number)",
         );
         check(
-            is_text(&self.end_to_end_id, 1, 35),
+            is_reference(&self.end_to_end_id),
             "end_to_end_id",
             "must be 1-35 characters without control characters (ISO 20022 Max35Text)",
         );
@@ -81,6 +91,12 @@ impl PaymentRequest {
 
 fn is_account(s: &str) -> bool {
     (1..=34).contains(&s.len()) && s.chars().all(|c| c.is_ascii_alphanumeric())
+}
+
+/// An ISO 20022 end-to-end reference (Max35Text): 1-35 characters, none a
+/// control character (so never a NUL, which PostgreSQL cannot store).
+pub fn is_reference(s: &str) -> bool {
+    is_text(s, 1, 35)
 }
 
 fn is_text(s: &str, min: usize, max: usize) -> bool {
@@ -137,5 +153,18 @@ mod tests {
         let mut v = valid();
         v.as_object_mut().unwrap().remove("creditor_account");
         assert!(PaymentRequest::parse(v).is_err());
+    }
+
+    #[test]
+    fn only_an_object_is_a_payment_and_null_is_not_a_remittance() {
+        let array = json!([1250, "EUR", "DE89370400440532013000", "FR1420041010050500013M02606", "E2E", "x"]);
+        assert_eq!(PaymentRequest::parse(array).unwrap_err()[0].field, "body");
+        let mut v = valid();
+        v["remittance_info"] = serde_json::Value::Null;
+        assert_eq!(PaymentRequest::parse(v).unwrap_err()[0].field, "remittance_info");
+        let mut v = valid();
+        v["end_to_end_id"] = json!("a\u{0}b");
+        assert_eq!(PaymentRequest::parse(v).unwrap_err()[0].field, "end_to_end_id");
+        assert!(!is_reference("") && !is_reference(&"x".repeat(36)) && is_reference(&"x".repeat(35)));
     }
 }

@@ -1,10 +1,13 @@
 //! Extractors for what every request carries: the caller (from its bearer
-//! API key) and the Idempotency-Key. Each turns an untrusted header into a
-//! domain type or a clear error, before any work starts.
+//! API key) and the Idempotency-Key, and the checks of what a body declares
+//! (its type, its length). Each turns an untrusted header into a domain type
+//! or a clear error, before any work starts.
 
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 
 use super::{ApiError, AppState};
 use crate::domain::{ApiKey, ClientId, IdempotencyKey};
@@ -16,12 +19,14 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        // The scheme is case-insensitive (RFC 9110, section 11.1).
         let token = parts
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
             .filter(|t| !t.is_empty())
             .ok_or(ApiError::Unauthenticated)?;
         match state.engine.ledger().client_by_key(&ApiKey::presented(token)).await {
@@ -32,11 +37,27 @@ impl FromRequestParts<AppState> for Caller {
     }
 }
 
-/// The request's Idempotency-Key, validated.
+/// The request's Idempotency-Key, validated. Exactly one: with two, which
+/// one a proxy on the way honoured is anyone's guess.
 pub fn idempotency_key(headers: &HeaderMap) -> Result<IdempotencyKey, ApiError> {
-    let raw = headers.get("idempotency-key").ok_or(ApiError::MissingKey)?;
+    let mut all = headers.get_all("idempotency-key").iter();
+    let raw = all.next().ok_or(ApiError::MissingKey)?;
+    if all.next().is_some() {
+        return Err(ApiError::RepeatedKey);
+    }
     let raw = raw.to_str().map_err(|_| ApiError::InvalidKey(crate::domain::InvalidKey::BadCharacter))?;
     IdempotencyKey::parse(raw).map_err(ApiError::InvalidKey)
+}
+
+/// Middleware: refuses a body whose declared length is over the limit at
+/// once (413), before anything waits for it to arrive.
+pub async fn refuse_oversized(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let declared =
+        request.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
+    if declared.is_some_and(|length: u64| length > state.body_limit as u64) {
+        return ApiError::TooLarge.into_response();
+    }
+    next.run(request).await
 }
 
 /// Refuses a body that is not declared as JSON.

@@ -4,6 +4,7 @@
 //! key past its retention.
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -11,15 +12,17 @@ use time::format_description::well_known::Rfc3339;
 
 use super::extract::Caller;
 use super::{ApiError, AppState};
-use crate::domain::{IdempotencyKey, Millis, ScopedKey};
+use crate::domain::{IdempotencyKey, InvalidKey, Millis, ScopedKey};
 use crate::engine::EngineError;
 use crate::keystore::KeyStore;
 
 pub async fn show(
     State(state): State<AppState>,
     Caller(client): Caller,
-    Path(key): Path<String>,
+    key: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    // A segment that is not even UTF-8 holds a character no key may have.
+    let Ok(Path(key)) = key else { return Err(ApiError::InvalidKey(InvalidKey::BadCharacter)) };
     let key = IdempotencyKey::parse(&key).map_err(ApiError::InvalidKey)?;
     let item = state
         .engine

@@ -1,11 +1,15 @@
 //! The HTTP front door (axum). Routes, extractors and problem+json errors;
 //! every handler validates its input into domain types and hands the work to
-//! the engine. `router` is all a test needs to call it without a socket.
+//! the engine, and every error, down to an unknown route, is problem+json.
+//! `router` is all a test needs to call it without a socket; [`server`]
+//! serves it with the limits a public port needs.
 
 mod extract;
+mod json;
 mod keys;
 mod payments;
 mod problem;
+pub mod server;
 
 use std::sync::Arc;
 
@@ -22,16 +26,22 @@ pub use problem::ApiError;
 #[derive(Clone)]
 pub struct AppState {
     pub engine: Arc<Engine<DynamoKeyStore>>,
+    /// Bodies over this many bytes are refused (413), as soon as their
+    /// declared length says so.
+    pub body_limit: usize,
 }
 
-/// The service's routes; bodies over `body_limit` bytes are refused (413).
-pub fn router(state: AppState, body_limit: usize) -> Router {
+/// The service's routes.
+pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/payments", axum::routing::post(payments::create).get(payments::by_reference))
         .route("/v1/payments/{id}", get(payments::show))
         .route("/v1/idempotency-keys/{key}", get(keys::show))
         .route("/healthz", get(|| async { "ok" }))
-        .layer(DefaultBodyLimit::max(body_limit))
+        .fallback(|| async { ApiError::NotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(DefaultBodyLimit::max(state.body_limit))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), extract::refuse_oversized))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
 }

@@ -4,7 +4,7 @@
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -13,8 +13,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, require_json};
-use super::{ApiError, AppState};
-use crate::domain::{PaymentRequest, RequestHash, ScopedKey};
+use super::{ApiError, AppState, json};
+use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, PaymentOperation, Submission};
 
 const PATH: &str = "/v1/payments";
@@ -29,9 +29,10 @@ pub async fn create(
     require_json(&headers)?;
     let body = body.map_err(|rejection| match rejection.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge,
+        _ if timed_out(&rejection) => ApiError::BodyTimeout,
         _ => ApiError::MalformedJson(rejection.body_text()),
     })?;
-    let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let value = json::parse(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let canonical = serde_jcs::to_vec(&value).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let request_hash = RequestHash::of("POST", PATH, &canonical);
     let payment = PaymentRequest::parse(value).map_err(ApiError::InvalidFields)?;
@@ -42,6 +43,18 @@ pub async fn create(
         operation: PaymentOperation::new(payment),
     };
     respond(state.engine.submit(submission).await?)
+}
+
+/// Whether reading the body failed because the client took too long.
+fn timed_out(rejection: &BytesRejection) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(error) = cause {
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// Turns the engine's answer into HTTP: a final answer exactly as stored.
@@ -73,9 +86,10 @@ fn respond(answer: Answer) -> Result<Response, ApiError> {
 pub async fn show(
     State(state): State<AppState>,
     Caller(client): Caller,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound)?;
+    // Not a UUID (or not even UTF-8): no payment has that id.
+    let id = id.ok().and_then(|Path(id)| Uuid::parse_str(&id).ok()).ok_or(ApiError::NotFound)?;
     let payment = state.engine.ledger().payment_of(client, id).await.map_err(crate::engine::EngineError::from)?;
     payment.map(|p| Json(p).into_response()).ok_or(ApiError::NotFound)
 }
@@ -88,9 +102,15 @@ pub struct ByReference {
 pub async fn by_reference(
     State(state): State<AppState>,
     Caller(client): Caller,
-    Query(query): Query<ByReference>,
+    query: Result<Query<ByReference>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|rejection| ApiError::InvalidQuery(rejection.body_text()))?;
     let reference = query.end_to_end_id.ok_or(ApiError::MissingQuery("end_to_end_id"))?;
+    if !is_reference(&reference) {
+        return Err(ApiError::InvalidQuery(
+            "end_to_end_id must be 1-35 characters without control characters (ISO 20022 Max35Text)".into(),
+        ));
+    }
     let payments = state
         .engine
         .ledger()

@@ -19,9 +19,13 @@ pub enum ApiError {
     MalformedJson(String),
     InvalidFields(Vec<FieldError>),
     MissingQuery(&'static str),
+    InvalidQuery(String),
+    RepeatedKey,
     TooLarge,
+    BodyTimeout,
     Unauthenticated,
     NotFound,
+    MethodNotAllowed,
     InFlight { retry_after: Duration },
     KeyReused,
     Unavailable { retry_after: Duration },
@@ -76,6 +80,31 @@ impl IntoResponse for ApiError {
                 "missing-query-parameter",
                 "Missing query parameter",
                 format!("The query parameter {name} is required."),
+                None,
+            ),
+            ApiError::InvalidQuery(why) => {
+                (StatusCode::BAD_REQUEST, "invalid-query", "Invalid query", why.clone(), None)
+            }
+            ApiError::RepeatedKey => (
+                StatusCode::BAD_REQUEST,
+                "invalid-idempotency-key",
+                "More than one Idempotency-Key",
+                "Send exactly one Idempotency-Key header.".to_owned(),
+                None,
+            ),
+            ApiError::BodyTimeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                "body-timeout",
+                "Request body too slow",
+                "The body did not arrive in time; nothing was done. Send it again with the same Idempotency-Key."
+                    .to_owned(),
+                None,
+            ),
+            ApiError::MethodNotAllowed => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-allowed",
+                "Method not allowed",
+                "This resource does not support that method.".to_owned(),
                 None,
             ),
             ApiError::TooLarge => (

@@ -12,6 +12,7 @@ mod failover;
 mod front_door;
 mod front_door_faults;
 mod harness;
+mod hostile;
 mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
