@@ -365,7 +365,9 @@ async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow
 async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(addr = %listener.local_addr()?, name = %args.name, "rail simulator serving");
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, name = %args.name, "rail simulator serving");
+    println!("rail-sim {}: listening on http://{addr}", args.name);
     let sim = rail::sim::Simulator::new(&args.name, args.dedup_window_ms.map(std::time::Duration::from_millis));
     rail::sim::serve(listener, sim, shutdown_signal()).await?;
     Ok(())
