@@ -103,6 +103,35 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
       WHERE r.fence <= EXCLUDED.fence
      RETURNING r.recovery_point";
 
+/// The first phase: insert the row at its first recovery point, or move a
+/// row adopted at `STARTED` ($10) there.
+const FIRST_PHASE: &str = "INSERT INTO requests AS r
+        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+     ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
+        SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
+      WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $10
+     RETURNING 1";
+
+/// `sql` (one of the inserts above) with the row's columns bound as $1-$9.
+fn insert_row<'q>(
+    sql: &'static str,
+    request: &'q RequestRecord,
+    fence: Fence,
+    point: &'q RecoveryPoint,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(request.key.client.as_uuid())
+        .bind(request.key.key.as_str())
+        .bind(timestamp(request.created_at))
+        .bind(&request.operation)
+        .bind(request.request_hash.as_str())
+        .bind(request.payment_id)
+        .bind(fence_param(fence))
+        .bind(point.as_str())
+        .bind(&request.request)
+}
+
 pub(super) fn fence_param(fence: Fence) -> i64 {
     i64::try_from(fence.get()).unwrap_or(i64::MAX)
 }
@@ -135,18 +164,7 @@ impl Ledger {
             Adoption::Takeover => ADOPT_ABOVE,
             Adoption::Rebuild => ADOPT_AT_LEAST,
         };
-        let row = sqlx::query(query)
-            .bind(request.key.client.as_uuid())
-            .bind(request.key.key.as_str())
-            .bind(timestamp(request.created_at))
-            .bind(&request.operation)
-            .bind(request.request_hash.as_str())
-            .bind(request.payment_id)
-            .bind(fence_param(fence))
-            .bind(RecoveryPoint::STARTED.as_str())
-            .bind(&request.request)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = insert_row(query, request, fence, &RecoveryPoint::STARTED).fetch_optional(&self.pool).await?;
         match row {
             Some(row) => Ok(RecoveryPoint::from_stored(row.try_get(0)?)),
             None => {
@@ -168,27 +186,7 @@ impl Ledger {
     ) -> Result<Phase, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
-            sqlx::query(
-                "INSERT INTO requests AS r
-                        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10)
-                 ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
-                    SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
-                  WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $9
-                 RETURNING 1",
-            )
-            .bind(request.key.client.as_uuid())
-            .bind(request.key.key.as_str())
-            .bind(timestamp(request.created_at))
-            .bind(&request.operation)
-            .bind(request.request_hash.as_str())
-            .bind(request.payment_id)
-            .bind(fence_param(fence))
-            .bind(to.as_str())
-            .bind(from.as_str())
-            .bind(&request.request)
-            .fetch_optional(&mut *tx)
-            .await?
+            insert_row(FIRST_PHASE, request, fence, to).bind(from.as_str()).fetch_optional(&mut *tx).await?
         } else {
             sqlx::query(
                 "UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()

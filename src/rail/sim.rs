@@ -133,6 +133,11 @@ impl Simulator {
         *self.rules.lock().unwrap_or_else(|p| p.into_inner()) = rules;
     }
 
+    /// The recorded verdicts `pick` keeps, in order.
+    fn verdicts<T>(&self, pick: impl Fn(&Verdict) -> Option<T>) -> Vec<T> {
+        self.book().entries.iter().filter_map(|entry| pick(&entry.verdict)).collect()
+    }
+
     /// Records the instruction once per key (within the dedup window): a
     /// repeat gets the first verdict. Returns the verdict and whether it is new.
     fn record(&self, key: &str, instruction: Instruction) -> Result<(Verdict, bool), Instruction> {
@@ -237,30 +242,12 @@ async fn probe(State(sim): State<Arc<Simulator>>, Path(key): Path<String>) -> Re
 
 /// Every applied instruction, in order: the money that moved.
 async fn statement(State(sim): State<Arc<Simulator>>) -> Json<Vec<Applied>> {
-    let book = sim.book();
-    Json(
-        book.entries
-            .iter()
-            .filter_map(|e| match &e.verdict {
-                Verdict::Applied(applied) => Some(applied.clone()),
-                Verdict::Declined(_) => None,
-            })
-            .collect(),
-    )
+    Json(sim.verdicts(|verdict| if let Verdict::Applied(applied) = verdict { Some(applied.clone()) } else { None }))
 }
 
 /// Every declined instruction, in order.
 async fn declines(State(sim): State<Arc<Simulator>>) -> Json<Vec<Declined>> {
-    let book = sim.book();
-    Json(
-        book.entries
-            .iter()
-            .filter_map(|e| match &e.verdict {
-                Verdict::Declined(declined) => Some(declined.clone()),
-                Verdict::Applied(_) => None,
-            })
-            .collect(),
-    )
+    Json(sim.verdicts(|verdict| if let Verdict::Declined(declined) = verdict { Some(declined.clone()) } else { None }))
 }
 
 async fn set_rules(State(sim): State<Arc<Simulator>>, Json(rules): Json<Rules>) -> Json<Rules> {

@@ -181,6 +181,23 @@ impl TestApp {
             .await
     }
 
+    /// POSTs a payment to the front door at `url` from a task of its own,
+    /// for a request that is meant to stall while the test goes on.
+    pub fn pay_in_background(
+        &self,
+        url: &str,
+        key: &str,
+        body: &Value,
+    ) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+        let request = self
+            .http
+            .post(format!("{url}/v1/payments"))
+            .bearer_auth(&self.api_key)
+            .header("Idempotency-Key", key)
+            .json(body);
+        tokio::spawn(request.send())
+    }
+
     pub async fn get_as(&self, api_key: &str, path: &str) -> reqwest::Response {
         self.http.get(format!("{}{path}", self.url)).bearer_auth(api_key).send().await.unwrap()
     }

@@ -49,6 +49,15 @@ async fn storm_of_declines(app: &TestApp, key: &str, body: &Value, n: usize) -> 
     bytes
 }
 
+/// What the postings leave on the accounts matching `pattern` (SQL LIKE).
+async fn balance(app: &TestApp, pattern: &str) -> i64 {
+    sqlx::query_scalar("SELECT coalesce(sum(amount_minor), 0)::bigint FROM postings WHERE account LIKE $1")
+        .bind(pattern)
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap()
+}
+
 /// The 402's problem details, and the payment it names as the API shows it.
 async fn declined_payment(app: &TestApp, bytes: &[u8], reason: &str) -> Value {
     let problem: Value = serde_json::from_slice(bytes).unwrap();
@@ -80,12 +89,7 @@ async fn screening_rejects_once_and_the_rail_never_hears_of_it() {
     let events: Vec<String> =
         sqlx::query_scalar("SELECT event FROM outbox").fetch_all(app.db.ledger.pool()).await.unwrap();
     assert_eq!(events, ["payment.rejected"]);
-    let debtor: i64 =
-        sqlx::query_scalar("SELECT sum(amount_minor)::bigint FROM postings WHERE account LIKE 'debtor:%'")
-            .fetch_one(app.db.ledger.pool())
-            .await
-            .unwrap();
-    assert_eq!(debtor, 0, "the debtor has its funds back");
+    assert_eq!(balance(&app, "debtor:%").await, 0, "the debtor has its funds back");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,12 +106,7 @@ async fn the_rail_declines_once_and_the_funds_come_back_from_clearing() {
     assert!(app.e2.statement().await.is_empty(), "no money moved at the rail");
     assert_eq!(app.count("postings").await, 6, "hold, clear, and the release from clearing");
     assert_eq!(app.unbalanced_payments().await, 0);
-    let clearing: i64 =
-        sqlx::query_scalar("SELECT sum(amount_minor)::bigint FROM postings WHERE account = 'clearing:rail'")
-            .fetch_one(app.db.ledger.pool())
-            .await
-            .unwrap();
-    assert_eq!(clearing, 0, "nothing left in clearing");
+    assert_eq!(balance(&app, "clearing:rail").await, 0, "nothing left in clearing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

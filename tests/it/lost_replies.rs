@@ -50,17 +50,7 @@ async fn a_retried_forget_never_deletes_a_newer_claim() {
     let body = payment("E2E-LOST-REPLY");
     let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("lost-reply-1").unwrap());
 
-    let first = {
-        let (http, url, api_key, body) = (app.http.clone(), app.url.clone(), app.api_key.clone(), body.clone());
-        tokio::spawn(async move {
-            http.post(format!("{url}/v1/payments"))
-                .bearer_auth(api_key)
-                .header("Idempotency-Key", "lost-reply-1")
-                .json(&body)
-                .send()
-                .await
-        })
-    };
+    let first = app.pay_in_background(&app.url, "lost-reply-1", &body);
     eventually("the first attempt's forget lands", async || {
         sqlx::query_scalar::<_, bool>("SELECT is_called FROM first_phase_failures")
             .fetch_one(app.db.ledger.pool())

@@ -21,16 +21,7 @@ async fn a_zombie_owner_that_wakes_after_a_takeover_changes_nothing() {
     let app = spawn_app().await;
     let body = payment("E2E-ZOMBIE");
     let zombie = ServeProcess::start(&app, Some("before-phase:EXT2_SENT=sleep(5000)"), 0).await;
-    let (zombie_url, api_key, http, zombie_body) =
-        (zombie.url.clone(), app.api_key.clone(), app.http.clone(), body.clone());
-    let zombie_answer = tokio::spawn(async move {
-        http.post(format!("{zombie_url}/v1/payments"))
-            .bearer_auth(api_key)
-            .header("Idempotency-Key", "zombie-1")
-            .json(&zombie_body)
-            .send()
-            .await
-    });
+    let zombie_answer = app.pay_in_background(&zombie.url, "zombie-1", &body);
 
     // The zombie has called E1 and stalls; once its lease is over, another
     // instance takes the retry over and finishes the payment.
@@ -115,17 +106,7 @@ async fn a_zombie_fenced_out_at_finish_answers_the_successors_bytes() {
         .unwrap();
 
     let zombie = ServeProcess::start(&app, Some("after-commit:FINISHED=sleep(4000)"), 0).await;
-    let zombie_answer = {
-        let (url, api_key, http, body) = (zombie.url.clone(), app.api_key.clone(), app.http.clone(), body.clone());
-        tokio::spawn(async move {
-            http.post(format!("{url}/v1/payments"))
-                .bearer_auth(api_key)
-                .header("Idempotency-Key", "zombie-finish-1")
-                .json(&body)
-                .send()
-                .await
-        })
-    };
+    let zombie_answer = app.pay_in_background(&zombie.url, "zombie-finish-1", &body);
     tokio::time::sleep(Duration::from_millis(LEASE_MS + 300)).await;
     let mut command = keyfence_command(&app, "serve");
     command.env("DATABASE_URL", &promoted.url).env("KEYFENCE_RECOVERY_INTERVAL_MS", "0");
