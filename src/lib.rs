@@ -13,6 +13,8 @@
 //!   stands in for them locally.
 //! - [`engine`]: the protocol: claim or branch, then drive an operation's
 //!   phases and external calls, resuming from the recovery point.
+//! - [`regions`]: which regions are active or declared failed (a control
+//!   item of the key table, with an epoch), as each instance sees it.
 //! - [`http`]: the axum front door; validates input and calls the engine.
 //! - [`config`], [`startup`], [`telemetry`], [`bench`]: settings, building
 //!   the service, logs and trace export, load measurement, for the `keyfence` binary.
@@ -28,6 +30,7 @@ pub mod ledger;
 pub mod rail;
 pub mod reconcile;
 pub mod recovery;
+pub mod regions;
 pub mod startup;
 pub mod telemetry;
 

@@ -11,6 +11,7 @@ use keyfence::domain::{ApiKey, Millis};
 use keyfence::keystore::{self, DynamoKeyStore, TableChange};
 use keyfence::ledger::Ledger;
 use keyfence::rail::RailClient;
+use keyfence::regions::{self, Changed, RegionState, RegionStore};
 use keyfence::startup::{Application, StartupError, shutdown_signal};
 use keyfence::{bench, rail, reconcile, recovery, startup, telemetry};
 
@@ -30,6 +31,9 @@ enum Command {
     /// Manage API clients.
     #[command(subcommand)]
     Clients(ClientsCommand),
+    /// See which regions are active, declare one failed, or bring it back.
+    #[command(subcommand)]
+    Regions(RegionsCommand),
     /// Run a rail simulator standing in for an external system (E1 or E2).
     ///
     /// POST /v1/instructions (honours Idempotency-Key), GET /v1/instructions/{key},
@@ -164,6 +168,42 @@ struct MigrateArgs {
 }
 
 #[derive(Subcommand)]
+enum RegionsCommand {
+    /// Every region's state, epoch and last change (who, when, why).
+    List {
+        #[command(flatten)]
+        keys: KeyStoreSettings,
+        /// The whole registry, with its history, as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Declare a region failed: its instances stop claiming and committing
+    /// within a second, and other regions take its requests over.
+    Fail(DeclareArgs),
+    /// Bring a failed region back for new requests (keys now homed elsewhere stay there).
+    Restore(DeclareArgs),
+}
+
+#[derive(Args)]
+struct DeclareArgs {
+    /// The region to declare.
+    #[arg(long)]
+    region: String,
+    /// Why, for the record.
+    #[arg(long, default_value = "")]
+    reason: String,
+    /// Who declares it (default: $USER@$HOSTNAME).
+    #[arg(long)]
+    by: Option<String>,
+    /// The region's own ledger, if it can still be reached: fenced (or
+    /// unfenced) too, so its phases stop in the transaction that would commit them.
+    #[arg(long = "ledger")]
+    ledger: Option<keyfence::config::DatabaseUrl>,
+    #[command(flatten)]
+    keys: KeyStoreSettings,
+}
+
+#[derive(Subcommand)]
 enum ClientsCommand {
     /// Create a client and print its API key (shown only this once).
     Add {
@@ -201,6 +241,9 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Serve(settings) => serve(*settings).await,
         Command::Migrate(args) => done(migrate(args).await),
         Command::Clients(ClientsCommand::Add { name, ledger, json }) => done(add_client(&name, &ledger, json).await),
+        Command::Regions(RegionsCommand::List { keys, json }) => done(list_regions(&keys, json).await),
+        Command::Regions(RegionsCommand::Fail(args)) => done(declare(args, RegionState::Failed).await),
+        Command::Regions(RegionsCommand::Restore(args)) => done(declare(args, RegionState::Active).await),
         Command::RailSim(args) => done(rail_sim(args).await),
         Command::Bench(args) => done(bench(*args).await),
         Command::Recover(args) => done(recover(*args).await),
@@ -347,6 +390,56 @@ async fn serve(settings: ServeSettings) -> anyhow::Result<ExitCode> {
     app.run_until_stopped(shutdown_signal()).await?;
     tracing::info!("keyfence stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+async fn list_regions(keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {
+    let store = RegionStore::new(keystore::connect(keys).await, keys.table.clone());
+    let registry = store.read().await.context("reading the region registry")?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&registry)?);
+    } else {
+        print!("{}", registry.table());
+    }
+    Ok(())
+}
+
+async fn declare(args: DeclareArgs, state: RegionState) -> anyhow::Result<()> {
+    let store = RegionStore::new(keystore::connect(&args.keys).await, args.keys.table.clone());
+    let ledger = match &args.ledger {
+        Some(url) => {
+            let settings = LedgerSettings { database_url: url.clone() };
+            Some(Ledger::connect(&settings).await.with_context(|| format!("connecting to {url}"))?)
+        }
+        None => None,
+    };
+    let by = args.by.clone().unwrap_or_else(|| {
+        let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown".into());
+        format!("{user}@{host}")
+    });
+    let changed = regions::declare(&store, ledger.as_ref(), &args.region, state, &by, &args.reason).await?;
+    match changed {
+        Changed::Made(change) => println!(
+            "region {} is now {} (epoch {}, by {}{})",
+            change.region,
+            change.state.as_str(),
+            change.epoch,
+            change.by,
+            if change.reason.is_empty() { String::new() } else { format!(": {}", change.reason) }
+        ),
+        Changed::AlreadySo(Some(change)) => println!(
+            "region {} was already {} (epoch {}, by {})",
+            change.region,
+            change.state.as_str(),
+            change.epoch,
+            change.by
+        ),
+        Changed::AlreadySo(None) => println!("region {} was already {}", args.region, state.as_str()),
+    }
+    if args.ledger.is_some() {
+        println!("its ledger is {}", if state == RegionState::Failed { "fenced" } else { "open again" });
+    }
+    Ok(())
 }
 
 async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow::Result<()> {

@@ -1,11 +1,13 @@
 //! The recovery worker: finds in-flight requests whose lease has run out
-//! (through the sparse in-flight index, shard by shard) and resumes each
-//! from its recovery point through the engine's takeover, so it is safe
-//! beside client retries and other workers. It runs inside `keyfence serve`
+//! (through the sparse in-flight index, shard by shard), and every in-flight
+//! request of a region declared failed, and resumes each from its recovery
+//! point through the engine's takeover, so it is safe beside client retries
+//! and other workers. It runs inside `keyfence serve`
 //! on an interval and once, for operators, as `keyfence recover`.
 //! Parked requests are probed on every sweep; those still unknown after the
 //! configured attempts are listed as indeterminate for settlement.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,14 +48,32 @@ pub struct Failure {
     pub error: String,
 }
 
-/// Finds every stale key and resumes it; `tick` is called once per key handled.
+/// Finds every stale key (and every in-flight key of a region declared
+/// failed) and resumes it; `tick` is called once per key handled.
 pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize), tick: impl Fn()) -> SweepReport {
     let mut report = SweepReport::default();
     let now = Millis::now();
+    let failed: HashSet<String> = match engine.regions().fresh().await {
+        Ok(registry) if registry.is_failed(engine.region()) => {
+            report
+                .failed
+                .push(Failure { key: "(this region)".into(), error: "declared failed: sweeping nothing".into() });
+            return report;
+        }
+        Ok(registry) => registry.failed_except(engine.region()).map(str::to_owned).collect(),
+        Err(e) => {
+            report.failed.push(Failure { key: "(region registry)".into(), error: e.to_string() });
+            HashSet::new()
+        }
+    };
+    // A failed region's requests are taken over whatever their lease.
+    let before = if failed.is_empty() { now } else { Millis::new(u64::MAX) };
     let mut stale: Vec<StaleKey> = Vec::new();
     for shard in 0..INFLIGHT_SHARDS {
-        match engine.keys().stale_in_flight(shard, now).await {
-            Ok(found) => stale.extend(found),
+        match engine.keys().stale_in_flight(shard, before).await {
+            Ok(found) => {
+                stale.extend(found.into_iter().filter(|s| s.lease_until < now || failed.contains(&s.home_region)))
+            }
             Err(e) => report.failed.push(Failure { key: format!("(shard {shard})"), error: e.to_string() }),
         }
     }

@@ -18,6 +18,7 @@ use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
 use crate::recovery;
+use crate::regions::{RegionStore, RegionView};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
@@ -31,6 +32,10 @@ pub enum StartupError {
     #[error("settings that cannot work together:\n  {}", .0.join("\n  "))]
     Settings(Vec<String>),
 }
+
+/// How stale an instance's view of the region registry may be: a region
+/// declared failed stops claiming and committing within this delay.
+pub const REGION_VIEW_AGE: Duration = Duration::from_secs(1);
 
 /// What `keyfence migrate` did to each store.
 #[derive(Debug)]
@@ -50,7 +55,9 @@ pub async fn migrate(keys: &KeyStoreSettings, ledger: &LedgerSettings) -> Result
 
 /// The engine over the configured stores and rails.
 pub async fn build_engine(settings: &ServeSettings) -> Result<Engine<DynamoKeyStore>, StartupError> {
-    let keys = DynamoKeyStore::new(keystore::connect(&settings.keys).await, settings.keys.table.clone());
+    let client = keystore::connect(&settings.keys).await;
+    let regions = RegionView::new(RegionStore::new(client.clone(), settings.keys.table.clone()), REGION_VIEW_AGE);
+    let keys = DynamoKeyStore::new(client, settings.keys.table.clone());
     let ledger = Ledger::connect(&settings.ledger).await?;
     let rails = Rails {
         screening: RailClient::new(&settings.e1_url, settings.rail_timeout, settings.rail_attempts),
@@ -63,7 +70,7 @@ pub async fn build_engine(settings: &ServeSettings) -> Result<Engine<DynamoKeySt
         retention: Duration::from_secs(settings.retention_hours * 3600),
         max_unknown_attempts: settings.max_unknown_attempts,
     };
-    Ok(Engine::new(keys, ledger, rails, engine_settings))
+    Ok(Engine::new(keys, ledger, rails, regions, engine_settings))
 }
 
 /// The front door, built and bound, not yet serving.

@@ -21,6 +21,8 @@ use crate::keystore::{self, DynamoKeyStore, KeyItem, KeyState};
 use crate::ledger::{self, Ledger, timestamp};
 use crate::rail::{RailClient, sim};
 use crate::reconcile::{self, Options, Progress};
+use crate::regions::{RegionStore, RegionView};
+use crate::startup::REGION_VIEW_AGE;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SizeFigures {
@@ -103,6 +105,7 @@ async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -
             screening: RailClient::new(&e1, Duration::from_secs(2), 3),
             payment: RailClient::new(&e2, Duration::from_secs(2), 3),
         },
+        RegionView::new(RegionStore::new(client.clone(), keys_settings.table.clone()), REGION_VIEW_AGE),
         EngineSettings {
             region: settings.region.clone(),
             instance: "bench".into(),

@@ -3,12 +3,17 @@
 
 use crate::keystore::KeyStoreError;
 use crate::ledger::LedgerError;
+use crate::regions::RegionsError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// A newer owner holds the request; this attempt stopped at once.
     #[error("fenced out: another attempt owns the request now")]
     FencedOut,
+    /// This instance's region has been declared failed: it claims and
+    /// commits nothing; clients go to another region.
+    #[error("this region ({0}) has been declared failed; send the request to another region")]
+    RegionFailed(String),
     /// A store or an external system is briefly unavailable; retry.
     #[error("temporarily unavailable: {0}")]
     Transient(String),
@@ -27,12 +32,22 @@ impl From<KeyStoreError> for EngineError {
     }
 }
 
+impl From<RegionsError> for EngineError {
+    fn from(e: RegionsError) -> Self {
+        match e {
+            RegionsError::Store(_) | RegionsError::Contended => EngineError::Transient(e.to_string()),
+            RegionsError::Malformed(_) => EngineError::Fault(e.to_string()),
+        }
+    }
+}
+
 impl From<LedgerError> for EngineError {
     fn from(e: LedgerError) -> Self {
         match e {
             // A phase that cannot start where it expects has a newer owner
             // (or already ran): either way this attempt must stop.
             LedgerError::FencedOut { .. } | LedgerError::OutOfOrder { .. } => EngineError::FencedOut,
+            LedgerError::RegionFailed(region) => EngineError::RegionFailed(region),
             _ if e.is_transient() => EngineError::Transient(e.to_string()),
             _ => EngineError::Fault(e.to_string()),
         }

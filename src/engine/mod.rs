@@ -24,6 +24,7 @@ use uuid::Uuid;
 use crate::domain::StoredResponse;
 use crate::ledger::Ledger;
 use crate::rail::RailClient;
+use crate::regions::RegionView;
 
 pub use derived_key::derived_key;
 pub use error::EngineError;
@@ -52,7 +53,8 @@ impl Rails {
 #[derive(Clone, Debug)]
 pub struct EngineSettings {
     /// The region this instance works in; requests first claimed elsewhere
-    /// are only replayed here, never worked.
+    /// are only replayed here, never worked, unless their region has been
+    /// declared failed: then they are taken over and worked here.
     pub region: String,
     /// Names this instance in every lease it holds.
     pub instance: String,
@@ -70,6 +72,7 @@ pub struct Engine<K> {
     keys: K,
     ledger: Ledger,
     rails: Rails,
+    regions: RegionView,
     settings: EngineSettings,
 }
 
@@ -88,8 +91,12 @@ pub enum Answer {
 }
 
 impl<K> Engine<K> {
-    pub fn new(keys: K, ledger: Ledger, rails: Rails, settings: EngineSettings) -> Self {
-        Self { keys, ledger, rails, settings }
+    pub fn new(keys: K, ledger: Ledger, rails: Rails, regions: RegionView, settings: EngineSettings) -> Self {
+        Self { keys, ledger, rails, regions, settings }
+    }
+
+    pub fn regions(&self) -> &RegionView {
+        &self.regions
     }
 
     pub fn keys(&self) -> &K {

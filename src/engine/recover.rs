@@ -2,7 +2,8 @@
 //! the recovery worker (or the reconciler) is taken over with the fence
 //! protocol, exactly as a client retry would, so any number of recoverers
 //! and retries can race for it and one wins. Keys whose home is another
-//! region are left alone. And rebuilding, for the reconciler, a finished
+//! region are left alone, unless that region has been declared failed:
+//! then they are taken over whatever their lease, and re-homed here. And rebuilding, for the reconciler, a finished
 //! request whose ledger record a failover lost.
 
 use crate::domain::{Millis, Owner, RecoveryPoint};
@@ -31,12 +32,17 @@ impl<K: KeyStore> Engine<K> {
         stale: &StaleKey,
         decode: impl Fn(&[u8]) -> Result<O, EngineError>,
     ) -> Result<Recovery, EngineError> {
-        if stale.home_region != self.settings.region {
+        self.check_region().await?;
+        let now = Millis::now();
+        let taken = if stale.home_region == self.settings.region {
+            let owner = Owner::attempt_of(&self.settings.instance);
+            self.keys.take_over(&stale.key, stale.fence, &owner, Lease { now, length: self.settings.lease }).await
+        } else if self.regions.fresh().await?.is_failed(&stale.home_region) {
+            self.fail_over(&stale.key, stale.fence, &stale.home_region, now).await
+        } else {
             return Ok(Recovery::NotHome);
-        }
-        let owner = Owner::attempt_of(&self.settings.instance);
-        let lease = Lease { now: Millis::now(), length: self.settings.lease };
-        let item = match self.keys.take_over(&stale.key, stale.fence, &owner, lease).await {
+        };
+        let item = match taken {
             Ok(item) => item,
             Err(KeyStoreError::Taken(_)) => return Ok(Recovery::Lost),
             Err(e) => return Err(e.into()),

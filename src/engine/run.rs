@@ -169,6 +169,7 @@ impl<K: KeyStore> Engine<K> {
             return Err(EngineError::Fault("an operation must end with its FINISHED step".into()));
         };
         let to = last.point().clone();
+        self.check_region().await?;
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         // A stall here is the classic zombie: the lease looked fresh a moment
         // ago, and the fence check below is what stops the write.

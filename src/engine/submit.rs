@@ -2,13 +2,16 @@
 //! claim returned (in the same round trip), in the order that keeps every
 //! answer honest: another request under the same key is refused; a finished
 //! one is replayed byte for byte; a live one answers "in flight"; a stale
-//! one is taken over (fence + 1) and resumed where it stopped.
+//! one is taken over (fence + 1) and resumed where it stopped. A request
+//! homed in a region declared failed is taken over at once and re-homed
+//! here; while this instance's own region is declared failed, it takes on
+//! nothing.
 
 use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::domain::{Millis, Owner, RecoveryPoint, RequestHash, ScopedKey};
+use crate::domain::{Fence, Millis, Owner, RecoveryPoint, RequestHash, ScopedKey};
 use crate::failpoint;
 use crate::keystore::{Claim, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
 use crate::ledger::Adoption;
@@ -29,6 +32,7 @@ impl<K: KeyStore> Engine<K> {
     /// Works a request exactly once, however often it is submitted.
     #[tracing::instrument(skip_all, fields(key = %submission.key))]
     pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
+        self.check_region().await?;
         let now = Millis::now();
         let claim = Claim {
             key: submission.key.clone(),
@@ -71,18 +75,54 @@ impl<K: KeyStore> Engine<K> {
             return Ok(Answer::Final { response, replayed: true });
         }
         let in_flight = Answer::InFlight { retry_after: retry_after(existing, now) };
-        if existing.home_region != self.settings.region || existing.lease_until >= now {
-            return Ok(in_flight);
-        }
+        let item = if existing.home_region != self.settings.region {
+            if !self.regions.fresh().await?.is_failed(&existing.home_region) {
+                return Ok(in_flight);
+            }
+            match self.fail_over(&existing.key, existing.fence, &existing.home_region, now).await {
+                Ok(item) => item,
+                Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            if existing.lease_until >= now {
+                return Ok(in_flight);
+            }
+            let owner = Owner::attempt_of(&self.settings.instance);
+            let lease = Lease { now, length: self.settings.lease };
+            match self.keys.take_over(&existing.key, existing.fence, &owner, lease).await {
+                Ok(item) => item,
+                Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
+                Err(e) => return Err(e.into()),
+            }
+        };
+        tracing::info!(key = %item.key, fence = %item.fence, "a retry took over a request");
+        self.resume(op, &item).await
+    }
+
+    /// Takes a request homed in a region declared failed over to this one:
+    /// fence + 1 and re-homed here, whatever its lease. The caller has
+    /// checked (with a fresh read) that its home region is failed.
+    pub(super) async fn fail_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        home: &str,
+        now: Millis,
+    ) -> Result<KeyItem, KeyStoreError> {
         let owner = Owner::attempt_of(&self.settings.instance);
         let lease = Lease { now, length: self.settings.lease };
-        let item = match self.keys.take_over(&existing.key, existing.fence, &owner, lease).await {
-            Ok(item) => item,
-            Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
-            Err(e) => return Err(e.into()),
-        };
-        tracing::info!(key = %item.key, fence = %item.fence, "a retry took over a stale request");
-        self.resume(op, &item).await
+        let taken = self.keys.fail_over(key, seen, &owner, lease, home, &self.settings.region).await?;
+        tracing::warn!(key = %taken.key, fence = %taken.fence, from = home, "took over a request of a failed region");
+        Ok(taken)
+    }
+
+    /// Refuses work while this instance's own region is declared failed.
+    pub(super) async fn check_region(&self) -> Result<(), EngineError> {
+        if self.regions.current().await.is_failed(&self.settings.region) {
+            return Err(EngineError::RegionFailed(self.settings.region.clone()));
+        }
+        Ok(())
     }
 
     /// Works a request this instance has just taken over: stamps its fence on

@@ -13,9 +13,9 @@ pub mod server;
 
 use std::sync::Arc;
 
-use axum::Router;
-use axum::extract::DefaultBodyLimit;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::routing::get;
+use axum::{Json, Router};
 use tower_http::trace::TraceLayer;
 
 use crate::engine::Engine;
@@ -31,13 +31,21 @@ pub struct AppState {
     pub body_limit: usize,
 }
 
+/// Liveness, and this instance's region as the registry says (a failed
+/// region's instances are alive, and answer every request 503).
+async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let region = state.engine.region();
+    let registry = state.engine.regions().current().await;
+    Json(serde_json::json!({ "status": "ok", "region": region, "region_state": registry.state_of(region).as_str() }))
+}
+
 /// The service's routes.
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/payments", axum::routing::post(payments::create).get(payments::by_reference))
         .route("/v1/payments/{id}", get(payments::show))
         .route("/v1/idempotency-keys/{key}", get(keys::show))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(health))
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(state.body_limit))

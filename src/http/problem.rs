@@ -11,6 +11,9 @@ use serde_json::json;
 use crate::domain::{FieldError, InvalidKey};
 use crate::engine::EngineError;
 
+/// How long a failed region tells clients to wait before trying it again.
+const REGION_FAILED_RETRY: Duration = Duration::from_secs(30);
+
 #[derive(Debug)]
 pub enum ApiError {
     MissingKey,
@@ -29,6 +32,7 @@ pub enum ApiError {
     InFlight { retry_after: Duration },
     KeyReused,
     Unavailable { retry_after: Duration },
+    RegionFailed(String),
     Internal(String),
 }
 
@@ -39,6 +43,7 @@ impl From<EngineError> for ApiError {
             // find it in flight or finished.
             EngineError::FencedOut => ApiError::InFlight { retry_after: Duration::from_secs(1) },
             EngineError::Transient(_) => ApiError::Unavailable { retry_after: Duration::from_secs(1) },
+            EngineError::RegionFailed(region) => ApiError::RegionFailed(region),
             EngineError::Fault(why) => ApiError::Internal(why),
         }
     }
@@ -147,6 +152,16 @@ impl IntoResponse for ApiError {
                 "Nothing was settled; retry with the same Idempotency-Key.".to_owned(),
                 None,
             ),
+            ApiError::RegionFailed(region) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "region-failed",
+                "Region failed over",
+                format!(
+                    "Region {region} has been declared failed and takes no work. Send the request, with the same \
+                     Idempotency-Key, to another region: it will finish it exactly once."
+                ),
+                None,
+            ),
             ApiError::Internal(why) => {
                 tracing::error!(error = %why, "internal error");
                 (
@@ -170,8 +185,14 @@ impl IntoResponse for ApiError {
         let mut response = (status, body.to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-        if let ApiError::InFlight { retry_after } | ApiError::Unavailable { retry_after } = self {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
+        match self {
+            ApiError::InFlight { retry_after } | ApiError::Unavailable { retry_after } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
+            }
+            ApiError::RegionFailed(_) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(REGION_FAILED_RETRY.as_secs()));
+            }
+            _ => {}
         }
         if matches!(self, ApiError::Unauthenticated) {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

@@ -21,7 +21,7 @@ use aws_sdk_dynamodb::types::{
     AttributeValue, PutRequest, ReturnValue, ReturnValuesOnConditionCheckFailure, WriteRequest,
 };
 
-use super::item::{attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
+use super::item::{CONTROL_PREFIX, attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{
     Claim, Finish, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey,
 };
@@ -117,6 +117,7 @@ fn names() -> HashMap<String, String> {
         ("#lease", attr::LEASE_UNTIL),
         ("#owner", attr::OWNER),
         ("#expires", attr::EXPIRES_AT),
+        ("#home", attr::HOME_REGION),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -195,6 +196,51 @@ impl KeyStore for DynamoKeyStore {
                 let ours =
                     current.owner == *owner && current.fence == seen.next() && current.state == KeyState::Started;
                 if ours { Ok(current) } else { Err(KeyStoreError::Taken(Some(Box::new(current)))) }
+            }
+            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
+            Err(Failure::Store(e)) => Err(e),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key, seen = %seen, from, to))]
+    async fn fail_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+        from: &str,
+        to: &str,
+    ) -> Result<KeyItem, KeyStoreError> {
+        let sent = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .update_expression("SET #fence = :next, #lease = :until, #owner = :owner, #home = :to")
+            .condition_expression("#state = :started AND #fence = :seen AND #home = :from")
+            .set_expression_attribute_names(Some(names_for(&["#fence", "#lease", "#owner", "#state", "#home"])))
+            .expression_attribute_values(":next", n(seen.next().get()))
+            .expression_attribute_values(":until", n(lease.until().get()))
+            .expression_attribute_values(":owner", s(owner.as_str()))
+            .expression_attribute_values(":to", s(to))
+            .expression_attribute_values(":from", s(from))
+            .expression_attribute_values(":started", s(KeyState::Started.as_str()))
+            .expression_attribute_values(":seen", n(seen.get()))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
+            Err(Failure::Condition(Some(current))) => {
+                let current = decode(&current)?;
+                let ours = current.owner == *owner && current.fence == seen.next() && current.home_region == to;
+                if ours && current.state == KeyState::Started {
+                    Ok(current)
+                } else {
+                    Err(KeyStoreError::Taken(Some(Box::new(current))))
+                }
             }
             Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
             Err(Failure::Store(e)) => Err(e),
@@ -356,7 +402,14 @@ impl KeyStore for DynamoKeyStore {
             .send()
             .await
             .map_err(|e| store_error(&e))?;
-        let items = page.items().iter().map(decode).collect::<Result<Vec<_>, _>>()?;
+        let items = page
+            .items()
+            .iter()
+            .filter(|item| {
+                !item.get(attr::PK).and_then(|pk| pk.as_s().ok()).is_some_and(|pk| pk.starts_with(CONTROL_PREFIX))
+            })
+            .map(decode)
+            .collect::<Result<Vec<_>, _>>()?;
         let next = page.last_evaluated_key().and_then(|k| k.get(attr::PK)).and_then(|v| v.as_s().ok()).cloned();
         Ok((items, next))
     }

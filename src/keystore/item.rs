@@ -13,6 +13,11 @@ use uuid::Uuid;
 use super::{Claim, Holder, KeyStoreError};
 use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
+/// The partition-key prefix of the table's control items (the region
+/// registry, API clients). A key item's partition key begins with a
+/// client's UUID, so it can never begin with this.
+pub const CONTROL_PREFIX: &str = "control#";
+
 /// How many GSI partitions the in-flight index is spread over.
 pub const INFLIGHT_SHARDS: u64 = 16;
 

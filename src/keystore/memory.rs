@@ -67,6 +67,34 @@ impl KeyStore for MemoryKeyStore {
         })
     }
 
+    async fn fail_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+        from: &str,
+        to: &str,
+    ) -> Result<KeyItem, KeyStoreError> {
+        self.with_items(|items| {
+            let Some(item) = items.get_mut(&key.partition_key()) else {
+                return Err(KeyStoreError::Taken(None));
+            };
+            let movable = item.state == KeyState::Started && item.fence == seen && item.home_region == from;
+            let ours = item.state == KeyState::Started
+                && item.owner == *owner
+                && item.fence == seen.next()
+                && item.home_region == to;
+            if movable {
+                item.fence = seen.next();
+                item.lease_until = lease.until();
+                item.owner = owner.clone();
+                item.home_region = to.to_owned();
+            }
+            if movable || ours { Ok(item.clone()) } else { Err(KeyStoreError::Taken(Some(Box::new(item.clone())))) }
+        })
+    }
+
     async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
         self.with_items(|items| match items.get_mut(&key.partition_key()) {
             Some(item) if item.held_by(holder) => {

@@ -25,7 +25,7 @@ use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse
 
 pub use dynamo::{DynamoKeyStore, connect};
 pub use error::KeyStoreError;
-pub use item::{INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};
+pub use item::{CONTROL_PREFIX, INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};
 pub use memory::MemoryKeyStore;
 pub use table::{INFLIGHT_INDEX, TableChange, delete_table, ensure_table};
 
@@ -111,6 +111,20 @@ pub trait KeyStore: Send + Sync {
         lease: Lease,
     ) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
 
+    /// Moves a started item homed in `from` (a region declared failed) to a
+    /// new owner in region `to`, whatever its lease, if its fence is still
+    /// `seen`: fence + 1, so the failed region's owner is fenced out of the
+    /// key store. Exactly one racer wins.
+    fn fail_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+        from: &str,
+        to: &str,
+    ) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
+
     /// Extends the lease of `holder` if it still holds the started item;
     /// returns the new end.
     fn heartbeat(
@@ -146,8 +160,9 @@ pub trait KeyStore: Send + Sync {
     /// exists: a present item comes back as `Taken`.
     fn restore(&self, item: &KeyItem) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
 
-    /// One page of segment `segment` of `total` of a scan of every item,
-    /// continuing after `cursor` (a partition key); returns the next cursor.
+    /// One page of segment `segment` of `total` of a scan of every key item
+    /// (control items such as the region registry are left out), continuing
+    /// after `cursor` (a partition key); returns the next cursor.
     fn scan(
         &self,
         segment: u32,

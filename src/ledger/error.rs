@@ -12,6 +12,10 @@ pub enum LedgerError {
     /// phase already committed (it must not run twice) or an earlier one has not.
     #[error("the request is at {found:?}, not at {expected} where this phase starts")]
     OutOfOrder { expected: RecoveryPoint, found: Option<RecoveryPoint> },
+    /// This ledger's region has been fenced as failed (by `keyfence regions
+    /// fail --ledger`): no phase commits here any more.
+    #[error("the ledger of region {0} is fenced: the region was declared failed")]
+    RegionFailed(String),
     /// A stored value this code cannot accept.
     #[error("ledger data is corrupt: {0}")]
     Corrupt(String),

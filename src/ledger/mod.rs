@@ -86,6 +86,30 @@ impl Ledger {
     }
 }
 
+impl Ledger {
+    /// Fences this ledger's region as failed at registry epoch `epoch`:
+    /// waits for the phases in flight, and refuses every later one.
+    pub async fn fence_region(&self, region: &str, epoch: u64, reason: &str) -> Result<(), LedgerError> {
+        self.set_region_fence(true, region, epoch, reason).await
+    }
+
+    /// Lifts the fence, when the region is restored.
+    pub async fn unfence_region(&self, region: &str, epoch: u64, reason: &str) -> Result<(), LedgerError> {
+        self.set_region_fence(false, region, epoch, reason).await
+    }
+
+    async fn set_region_fence(&self, failed: bool, region: &str, epoch: u64, reason: &str) -> Result<(), LedgerError> {
+        sqlx::query("UPDATE region_fence SET failed = $1, region = $2, epoch = $3, reason = $4, changed_at = now()")
+            .bind(failed)
+            .bind(region)
+            .bind(i64::try_from(epoch).unwrap_or(i64::MAX))
+            .bind(reason)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}
+
 /// Creates the configured database unless it exists; true if it created it.
 async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError> {
     let url = &settings.database_url;

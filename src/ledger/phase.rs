@@ -6,7 +6,9 @@
 //! rows means a newer owner exists or the phase already ran; the transaction
 //! is then dropped, so nothing the caller would have written survives. The
 //! row stays locked until commit, so an older owner cannot slip a write in
-//! between the check and the business writes that follow it.
+//! between the check and the business writes that follow it. Before it, a
+//! phase reads the ledger's region fence under a share lock: a ledger whose
+//! region was declared failed commits nothing more.
 
 use std::collections::BTreeMap;
 
@@ -185,6 +187,11 @@ impl Ledger {
         to: &RecoveryPoint,
     ) -> Result<Phase, LedgerError> {
         let mut tx = self.pool.begin().await?;
+        let fenced: Option<(bool, Option<String>)> =
+            sqlx::query_as("SELECT failed, region FROM region_fence FOR SHARE").fetch_optional(&mut *tx).await?;
+        if let Some((true, region)) = fenced {
+            return Err(LedgerError::RegionFailed(region.unwrap_or_default()));
+        }
         let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
             insert_row(FIRST_PHASE, request, fence, to).bind(from.as_str()).fetch_optional(&mut *tx).await?
         } else {

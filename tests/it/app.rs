@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use keyfence::config::ServeSettings;
 use keyfence::domain::{ApiKey, ClientId};
+use keyfence::keystore::CONTROL_PREFIX;
 use keyfence::rail::sim::Simulator;
 use keyfence::rail::{Applied, Declined};
 use keyfence::startup::Application;
@@ -78,6 +79,41 @@ pub struct TestApp {
     pub e2: TestRail,
     pub api_key: String,
     _stop: oneshot::Sender<()>,
+}
+
+/// Another region of the same deployment: the same key table and rails, a
+/// ledger of its own, a front door of its own.
+pub struct TestRegion {
+    pub url: String,
+    pub settings: ServeSettings,
+    pub db: TestLedger,
+    _stop: oneshot::Sender<()>,
+}
+
+impl TestApp {
+    /// Starts region `name` beside this app's (whose region is `test-1`).
+    pub async fn second_region(&self, name: &str) -> TestRegion {
+        let db = TestLedger::new().await;
+        // The same API client, as every region knows it.
+        let (id, client, digest): (uuid::Uuid, String, String) =
+            sqlx::query_as("SELECT id, name, api_key_hash FROM clients")
+                .fetch_one(self.db.ledger.pool())
+                .await
+                .unwrap();
+        sqlx::query("INSERT INTO clients (id, name, api_key_hash) VALUES ($1, $2, $3)")
+            .bind(id)
+            .bind(client)
+            .bind(digest)
+            .execute(db.ledger.pool())
+            .await
+            .unwrap();
+        let mut settings = self.settings.clone();
+        settings.region = name.to_owned();
+        settings.instance = format!("test-{name}");
+        settings.ledger = db.settings.clone();
+        let (url, stop) = start_instance(&settings).await;
+        TestRegion { url, settings, db, _stop: stop }
+    }
 }
 
 /// The service with its defaults, as a user would run it.
@@ -248,9 +284,13 @@ impl TestApp {
         (proxy, settings)
     }
 
-    /// Items in the key table.
+    /// Key items in the key table (control items, such as the region
+    /// registry, left out).
     pub async fn key_items(&self) -> usize {
         let out = self.keys.store.client().scan().table_name(self.keys.store.table()).send().await.unwrap();
-        out.items().len()
+        let control = |item: &&std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>| {
+            item.get("pk").and_then(|pk| pk.as_s().ok()).is_some_and(|pk| pk.starts_with(CONTROL_PREFIX))
+        };
+        out.items().iter().filter(|item| !control(item)).count()
     }
 }

@@ -10,6 +10,8 @@ use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, Req
 use keyfence::engine::{Answer, Engine, EngineSettings, PaymentOperation, Rails, Submission};
 use keyfence::keystore::{Claim, Finish, Holder, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
 use keyfence::rail::RailClient;
+use keyfence::regions::{RegionStore, RegionView};
+use keyfence::startup::REGION_VIEW_AGE;
 
 use crate::app::{TestRail, payment};
 use crate::harness::{TestKeys, TestLedger, fresh_key};
@@ -44,6 +46,18 @@ impl<K: KeyStore> KeyStore for Counting<K> {
     ) -> Result<KeyItem, KeyStoreError> {
         self.note("take_over");
         self.inner.take_over(key, seen, owner, lease).await
+    }
+    async fn fail_over(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+        from: &str,
+        to: &str,
+    ) -> Result<KeyItem, KeyStoreError> {
+        self.note("fail_over");
+        self.inner.fail_over(key, seen, owner, lease, from, to).await
     }
     async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
         self.note("heartbeat");
@@ -97,7 +111,8 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
         retention: Duration::from_secs(3600),
         max_unknown_attempts: 5,
     };
-    let engine = Engine::new(counting, db.ledger.clone(), rails, settings);
+    let regions = RegionView::new(RegionStore::new(keys.store.client().clone(), keys.store.table()), REGION_VIEW_AGE);
+    let engine = Engine::new(counting, db.ledger.clone(), rails, regions, settings);
     let client = fresh_key().client;
     let body = payment("E2E-COST");
     let submit = |key: &str| Submission {

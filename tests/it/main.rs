@@ -26,6 +26,8 @@ mod rail_outage;
 mod reconcile;
 #[cfg(feature = "failpoints")]
 mod reconcile_crashes;
+#[cfg(feature = "failpoints")]
+mod regions;
 mod store_errors;
 mod takeovers;
 mod telemetry;

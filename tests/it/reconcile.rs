@@ -16,7 +16,7 @@ use serde_json::json;
 
 use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
 
-struct Quiet;
+pub struct Quiet;
 
 impl Progress for Quiet {
     fn scanned(&self, _: usize) {}

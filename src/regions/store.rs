@@ -1,0 +1,212 @@
+//! `RegionStore`: the registry's control item in the key table,
+//! `pk = "control#regions"` (no key item's partition key can look like it:
+//! those begin with a client's UUID). Reads are strongly consistent; a
+//! change is one conditional update on the epoch it read, retried on a
+//! fresh read when another change won in between.
+
+use std::collections::HashMap;
+
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
+use aws_sdk_dynamodb::types::AttributeValue;
+
+use super::{Change, RegionState, Registry};
+use crate::domain::Millis;
+
+/// The registry item's partition key.
+const REGISTRY_PK: &str = "control#regions";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegionsError {
+    #[error("the region registry could not be read or written: {0}")]
+    Store(String),
+    #[error("the region registry is malformed: {0}")]
+    Malformed(String),
+    #[error("other changes kept winning; try again")]
+    Contended,
+}
+
+/// What a change came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Changed {
+    /// This change won and made the new epoch.
+    Made(Change),
+    /// The region was already in that state (perhaps by a rival's change
+    /// that won first): its last change, if it ever had one.
+    AlreadySo(Option<Change>),
+}
+
+#[derive(Clone, Debug)]
+pub struct RegionStore {
+    client: Client,
+    table: String,
+}
+
+type Attrs = HashMap<String, AttributeValue>;
+
+impl RegionStore {
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        Self { client, table: table.into() }
+    }
+
+    /// The registry as it stands (an empty one if never written).
+    pub async fn read(&self) -> Result<Registry, RegionsError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key("pk", AttributeValue::S(REGISTRY_PK.into()))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(store)?;
+        out.item().map(decode).transpose().map(Option::unwrap_or_default)
+    }
+
+    /// Moves `region` to `state`, recording who and why.
+    pub async fn change(
+        &self,
+        region: &str,
+        state: RegionState,
+        by: &str,
+        reason: &str,
+    ) -> Result<Changed, RegionsError> {
+        self.create_if_missing().await?;
+        for _ in 0..10 {
+            let current = self.read().await?;
+            if current.state_of(region) == state {
+                return Ok(Changed::AlreadySo(current.regions.get(region).cloned()));
+            }
+            let change = Change {
+                region: region.to_owned(),
+                state,
+                epoch: current.epoch + 1,
+                by: by.to_owned(),
+                at: Millis::now().get(),
+                reason: reason.to_owned(),
+            };
+            let sent = self
+                .client
+                .update_item()
+                .table_name(&self.table)
+                .key("pk", AttributeValue::S(REGISTRY_PK.into()))
+                .update_expression("SET epoch = :next, regions.#r = :change, history = list_append(history, :one)")
+                .condition_expression("epoch = :seen")
+                .expression_attribute_names("#r", region)
+                .expression_attribute_values(":next", n(change.epoch))
+                .expression_attribute_values(":seen", n(current.epoch))
+                .expression_attribute_values(":change", encode_change(&change))
+                .expression_attribute_values(":one", AttributeValue::L(vec![encode_change(&change)]))
+                .send()
+                .await;
+            match sent {
+                Ok(_) => {
+                    tracing::warn!(
+                        region,
+                        state = state.as_str(),
+                        epoch = change.epoch,
+                        by,
+                        reason,
+                        "region state changed"
+                    );
+                    return Ok(Changed::Made(change));
+                }
+                // Another change won the epoch: read again and decide anew.
+                Err(e) if e.as_service_error().is_some_and(|e| e.code() == Some("ConditionalCheckFailedException")) => {
+                }
+                Err(e) => return Err(store(e)),
+            }
+        }
+        Err(RegionsError::Contended)
+    }
+
+    async fn create_if_missing(&self) -> Result<(), RegionsError> {
+        let empty: Attrs = HashMap::from([
+            ("pk".to_owned(), AttributeValue::S(REGISTRY_PK.into())),
+            ("kind".to_owned(), AttributeValue::S("registry".into())),
+            ("epoch".to_owned(), n(0)),
+            ("regions".to_owned(), AttributeValue::M(HashMap::new())),
+            ("history".to_owned(), AttributeValue::L(Vec::new())),
+        ]);
+        let put = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(empty))
+            .condition_expression("attribute_not_exists(pk)")
+            .send()
+            .await;
+        match put {
+            Ok(_) => Ok(()),
+            Err(e) if e.as_service_error().is_some_and(|e| e.code() == Some("ConditionalCheckFailedException")) => {
+                Ok(())
+            }
+            Err(e) => Err(store(e)),
+        }
+    }
+}
+
+fn n(value: u64) -> AttributeValue {
+    AttributeValue::N(value.to_string())
+}
+
+fn store(e: impl std::error::Error + 'static) -> RegionsError {
+    RegionsError::Store(DisplayErrorContext(&e).to_string())
+}
+
+fn encode_change(c: &Change) -> AttributeValue {
+    AttributeValue::M(HashMap::from([
+        ("region".to_owned(), AttributeValue::S(c.region.clone())),
+        ("state".to_owned(), AttributeValue::S(c.state.as_str().to_owned())),
+        ("epoch".to_owned(), n(c.epoch)),
+        ("by".to_owned(), AttributeValue::S(c.by.clone())),
+        ("at".to_owned(), n(c.at)),
+        ("reason".to_owned(), AttributeValue::S(c.reason.clone())),
+    ]))
+}
+
+fn decode(item: &Attrs) -> Result<Registry, RegionsError> {
+    let regions = match item.get("regions") {
+        Some(AttributeValue::M(map)) => {
+            map.values().map(decode_change).map(|c| c.map(|c| (c.region.clone(), c))).collect()
+        }
+        _ => Err(malformed("regions")),
+    }?;
+    let history = match item.get("history") {
+        Some(AttributeValue::L(list)) => list.iter().map(decode_change).collect(),
+        _ => Err(malformed("history")),
+    }?;
+    Ok(Registry { epoch: number(item, "epoch")?, regions, history })
+}
+
+fn decode_change(value: &AttributeValue) -> Result<Change, RegionsError> {
+    let AttributeValue::M(m) = value else { return Err(malformed("a change")) };
+    let text = |name: &str| match m.get(name) {
+        Some(AttributeValue::S(s)) => Ok(s.clone()),
+        _ => Err(malformed(name)),
+    };
+    let state = match text("state")?.as_str() {
+        "active" => RegionState::Active,
+        "failed" => RegionState::Failed,
+        other => return Err(malformed(other)),
+    };
+    Ok(Change {
+        region: text("region")?,
+        state,
+        epoch: number(m, "epoch")?,
+        by: text("by")?,
+        at: number(m, "at")?,
+        reason: text("reason")?,
+    })
+}
+
+fn number(m: &Attrs, name: &str) -> Result<u64, RegionsError> {
+    match m.get(name) {
+        Some(AttributeValue::N(v)) => v.parse().map_err(|_| malformed(name)),
+        _ => Err(malformed(name)),
+    }
+}
+
+fn malformed(what: &str) -> RegionsError {
+    RegionsError::Malformed(what.to_owned())
+}

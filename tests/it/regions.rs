@@ -1,0 +1,214 @@
+//! Two regions over one key table, each with its own ledger, sharing the
+//! rails. A region declared failed stops working; another region takes its
+//! requests over (on a client's retry, or through its recovery worker),
+//! rebuilds them in its own ledger from the request kept on the key item,
+//! probes the rails and finishes them exactly once; the failed region's
+//! leftovers are voided by its reconciler once it is back.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use futures::future::join_all;
+use keyfence::domain::{Fence, IdempotencyKey, ScopedKey};
+use keyfence::keystore::{KeyState, KeyStore};
+use keyfence::reconcile::{self, Class, Options};
+use keyfence::recovery;
+use keyfence::regions::{self, Changed, RegionState, RegionStore};
+use keyfence::startup::{REGION_VIEW_AGE, build_engine};
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use crate::app::{TestApp, payment, spawn_app};
+use crate::reconcile::Quiet;
+
+fn store(app: &TestApp) -> RegionStore {
+    RegionStore::new(app.keys.store.client().clone(), app.keys.store.table())
+}
+
+/// Declares `region` in `state`, then waits until every instance has seen it.
+async fn declare(app: &TestApp, region: &str, state: RegionState) {
+    regions::declare(&store(app), None, region, state, "test", "drill").await.unwrap();
+    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+}
+
+async fn payments_in(pool: &sqlx::PgPool, status: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM payments WHERE status = $1").bind(status).fetch_one(pool).await.unwrap()
+}
+
+#[tokio::test]
+async fn two_declarations_at_once_raise_the_epoch_once() {
+    let app = spawn_app().await;
+    let (store, other) = (store(&app), store(&app));
+    let (a, b) = tokio::join!(
+        regions::declare(&store, None, "eu-1", RegionState::Failed, "sre-a", "network partition"),
+        regions::declare(&other, None, "eu-1", RegionState::Failed, "sre-b", "pager said so"),
+    );
+    let outcomes = [a.unwrap(), b.unwrap()];
+    let made = outcomes.iter().filter(|o| matches!(o, Changed::Made(_))).count();
+    assert_eq!(made, 1, "one declaration wins: {outcomes:?}");
+    let registry = store.read().await.unwrap();
+    assert_eq!(registry.epoch, 1, "the epoch rose once");
+    assert_eq!(registry.history.len(), 1);
+    assert!(registry.is_failed("eu-1") && !registry.is_failed("eu-2"));
+    assert!(registry.table().contains("eu-1"), "{}", registry.table());
+
+    let restored = regions::declare(&store, None, "eu-1", RegionState::Active, "sre-a", "healed").await.unwrap();
+    assert!(matches!(restored, Changed::Made(ref c) if c.epoch == 2), "{restored:?}");
+    assert_eq!(store.read().await.unwrap().history.len(), 2, "who, when and why of both changes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_regions_instance_takes_on_nothing_until_restored() {
+    let app = spawn_app().await;
+    let body = payment("E2E-FAILED-REGION");
+    declare(&app, "test-1", RegionState::Failed).await;
+
+    let refused = app.pay("failed-region-1", &body).await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(refused.headers().get("retry-after").is_some());
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["type"], "urn:keyfence:problem:region-failed");
+    let health: Value = app.http.get(format!("{}/healthz", app.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(health["region_state"], "failed");
+    assert_eq!(app.key_items().await, 0, "nothing claimed");
+
+    declare(&app, "test-1", RegionState::Active).await;
+    assert_eq!(app.pay("failed-region-1", &body).await.status(), StatusCode::CREATED, "serving again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_ledger_commits_nothing_more_and_another_region_finishes() {
+    let app = spawn_app().await;
+    let b = app.second_region("test-2").await;
+    let body = payment("E2E-FENCED");
+    app.e1.set_faults(serde_json::json!({ "latency_ms": 600 })).await;
+    // A's payment is at E1 when the SRE fences A's ledger.
+    let in_a = app.pay_in_background(&app.url, "fenced-1", &body);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    regions::declare(&store(&app), Some(&app.db.ledger), "test-1", RegionState::Failed, "test", "drill").await.unwrap();
+    let answer = in_a.await.unwrap().unwrap();
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE, "A stopped at its next phase");
+    let point: String =
+        sqlx::query_scalar("SELECT recovery_point FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(point, "EXT1_SENT", "nothing committed after the fence");
+
+    let finished = app.try_pay_at(&b.url, &app.api_key, "fenced-1", &body).await.unwrap();
+    assert_eq!(finished.status(), StatusCode::CREATED, "B took it over");
+    assert_eq!(payments_in(b.db.ledger.pool(), "succeeded").await, 1);
+    assert_eq!(app.e1.statement().await.len(), 1, "E1 probed, not asked twice");
+    assert_eq!(app.e2.statement().await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_regions_request_finishes_in_another_once_the_region_is_declared_failed() {
+    let app = spawn_app().await;
+    let b = app.second_region("test-2").await;
+    let body = payment("E2E-FAILOVER");
+    // A dies right after E1 applied the screening.
+    let mut a = crate::process::ServeProcess::start(&app, Some("after-call:ext1=return"), 0).await;
+    assert!(app.try_pay_at(&a.url, &app.api_key, "failover-1", &body).await.is_err());
+    a.exited().await;
+
+    let waiting = app.try_pay_at(&b.url, &app.api_key, "failover-1", &body).await.unwrap();
+    assert_eq!(waiting.status(), StatusCode::CONFLICT, "A is not declared failed: its request is in flight");
+    declare(&app, "test-1", RegionState::Failed).await;
+    let done = app.try_pay_at(&b.url, &app.api_key, "failover-1", &body).await.unwrap();
+    assert_eq!(done.status(), StatusCode::CREATED);
+    assert!(done.headers().get("idempotent-replayed").is_none(), "B worked it");
+    let bytes = done.bytes().await.unwrap();
+
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("failover-1").unwrap());
+    let item = app.keys.store.get(&key).await.unwrap().unwrap();
+    assert_eq!((item.state, item.fence, item.home_region.as_str()), (KeyState::Finished, Fence::new(2), "test-2"));
+    assert_eq!(payments_in(b.db.ledger.pool(), "succeeded").await, 1, "rebuilt and finished in B");
+    assert_eq!(app.e1.statement().await.len(), 1, "E1 was probed, not asked again");
+    assert_eq!(app.e2.statement().await.len(), 1);
+
+    // A comes back: new requests again, this key stays in B; replays agree.
+    declare(&app, "test-1", RegionState::Active).await;
+    for url in [&app.url, &b.url] {
+        let replay = app.try_pay_at(url, &app.api_key, "failover-1", &body).await.unwrap();
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(replay.bytes().await.unwrap(), bytes, "the same bytes from both regions");
+    }
+    // A's reconciler voids what the dead owner left in A's ledger.
+    let a_engine = build_engine(&app.settings).await.unwrap();
+    let options = Options {
+        since: keyfence::domain::Millis::new(0),
+        until: keyfence::domain::Millis::now().plus(Duration::from_secs(60)),
+        repair: true,
+        stale_after: Duration::ZERO,
+        unknown_after: Duration::ZERO,
+        segments: 2,
+    };
+    let report = reconcile::run(&a_engine, &options, &Quiet).await.unwrap();
+    assert_eq!(report.findings.iter().map(|f| f.class).collect::<Vec<_>>(), [Class::FencedLeftover]);
+    assert_eq!(report.unrepaired(), 0, "{}", report.table());
+    assert_eq!(payments_in(app.db.ledger.pool(), "voided").await, 1);
+    assert_eq!(app.unbalanced_payments().await, 0);
+    let again = reconcile::run(&a_engine, &Options { repair: false, ..options.clone() }, &Quiet).await.unwrap();
+    assert!(again.findings.is_empty(), "{}", again.table());
+    let b_engine = build_engine(&b.settings).await.unwrap();
+    let in_b = reconcile::run(&b_engine, &Options { repair: false, ..options }, &Quiet).await.unwrap();
+    assert!(in_b.findings.is_empty(), "{}", in_b.table());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_regions_worker_drains_a_failed_region_in_one_sweep() {
+    let app = spawn_app().await;
+    let b = app.second_region("test-2").await;
+    let keys: Vec<String> = (0..5).map(|i| format!("drain-{i}")).collect();
+    // A stalls every request before its first phase, then dies.
+    let a = crate::process::ServeProcess::start(&app, Some("before-phase:EXT1_SENT=sleep(60000)"), 0).await;
+    let stuck: Vec<_> = keys.iter().map(|k| app.pay_in_background(&a.url, k, &payment(&format!("E2E-{k}")))).collect();
+    let client = app.client_id().await;
+    crate::harness::eventually("A claimed all five", async || app.key_items().await == keys.len()).await;
+    drop(a);
+    for request in stuck {
+        assert!(request.await.unwrap().is_err(), "A died without answering");
+    }
+
+    declare(&app, "test-1", RegionState::Failed).await;
+    let b_engine = build_engine(&b.settings).await.unwrap();
+    let report = recovery::sweep(&b_engine, |_| {}, || {}).await;
+    assert_eq!(report.finished, keys.len(), "{}", report.summary());
+    for key in &keys {
+        let item = app.keys.store.get(&ScopedKey::new(client, IdempotencyKey::parse(key).unwrap())).await.unwrap();
+        let item = item.unwrap();
+        assert_eq!((item.state, item.home_region.as_str()), (KeyState::Finished, "test-2"), "{key}");
+    }
+    assert_eq!(payments_in(b.db.ledger.pool(), "succeeded").await, keys.len() as i64);
+    assert_eq!(app.e2.statement().await.len(), keys.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_sent_to_both_regions_at_once_is_paid_once() {
+    let app = spawn_app().await;
+    let b = app.second_region("test-2").await;
+    let rounds = 50;
+    for round in 0..rounds {
+        let key = format!("both-{round}");
+        let body = payment(&format!("E2E-BOTH-{round}"));
+        let answers = join_all([&app.url, &b.url].map(|url| async {
+            let response = app.try_pay_at(url, &app.api_key, &key, &body).await.unwrap();
+            let replayed = response.headers().get("idempotent-replayed").is_some();
+            (response.status(), replayed, response.bytes().await.unwrap())
+        }))
+        .await;
+        let worked = answers.iter().filter(|(s, replayed, _)| *s == StatusCode::CREATED && !replayed).count();
+        assert_eq!(worked, 1, "round {round}: one region worked it: {answers:?}");
+        let bytes = &answers.iter().find(|(s, r, _)| *s == StatusCode::CREATED && !r).unwrap().2;
+        for url in [&app.url, &b.url] {
+            let replay = app.try_pay_at(url, &app.api_key, &key, &body).await.unwrap();
+            assert_eq!(&replay.bytes().await.unwrap(), bytes, "round {round}: the same bytes from both regions");
+        }
+    }
+    let total = app.count("payments").await
+        + sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payments").fetch_one(b.db.ledger.pool()).await.unwrap();
+    assert_eq!(total, rounds, "one payment per key across both ledgers");
+    for rail in [&app.e1, &app.e2] {
+        let statement = rail.statement().await;
+        let distinct: HashSet<_> = statement.iter().map(|a| a.idempotency_key.clone()).collect();
+        assert_eq!((statement.len(), distinct.len()), (rounds as usize, rounds as usize), "one instruction each");
+    }
+}
