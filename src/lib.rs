@@ -13,6 +13,8 @@
 //!   stands in for them locally.
 //! - [`engine`]: the protocol: claim or branch, then drive an operation's
 //!   phases and external calls, resuming from the recovery point.
+//! - [`clients`]: the API clients, global (control items of the key table),
+//!   cached by each instance.
 //! - [`regions`]: which regions are active or declared failed (a control
 //!   item of the key table, with an epoch), as each instance sees it.
 //! - [`http`]: the axum front door; validates input and calls the engine.
@@ -20,6 +22,7 @@
 //!   the service, logs and trace export, load measurement, for the `keyfence` binary.
 
 pub mod bench;
+pub mod clients;
 pub mod config;
 pub mod domain;
 pub mod engine;

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use keyfence::clients::ClientStore;
 use keyfence::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
 use keyfence::domain::{ApiKey, Millis};
 use keyfence::keystore::{self, DynamoKeyStore, TableChange};
@@ -203,6 +204,7 @@ struct DeclareArgs {
     keys: KeyStoreSettings,
 }
 
+/// API clients are global: created once, they work in every region.
 #[derive(Subcommand)]
 enum ClientsCommand {
     /// Create a client and print its API key (shown only this once).
@@ -210,10 +212,25 @@ enum ClientsCommand {
         #[arg(long)]
         name: String,
         #[command(flatten)]
-        ledger: LedgerSettings,
+        keys: KeyStoreSettings,
         /// Print {"client_id": ..., "api_key": ...}.
         #[arg(long)]
         json: bool,
+    },
+    /// Every client: id, name, when created, whether revoked.
+    List {
+        #[command(flatten)]
+        keys: KeyStoreSettings,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a client: its key is refused in every region within 5 seconds.
+    Revoke {
+        /// The client's id.
+        #[arg(long)]
+        id: keyfence::domain::ClientId,
+        #[command(flatten)]
+        keys: KeyStoreSettings,
     },
 }
 
@@ -240,7 +257,9 @@ async fn main() -> anyhow::Result<ExitCode> {
     let outcome = match cli.command {
         Command::Serve(settings) => serve(*settings).await,
         Command::Migrate(args) => done(migrate(args).await),
-        Command::Clients(ClientsCommand::Add { name, ledger, json }) => done(add_client(&name, &ledger, json).await),
+        Command::Clients(ClientsCommand::Add { name, keys, json }) => done(add_client(&name, &keys, json).await),
+        Command::Clients(ClientsCommand::List { keys, json }) => done(list_clients(&keys, json).await),
+        Command::Clients(ClientsCommand::Revoke { id, keys }) => done(revoke_client(id, &keys).await),
         Command::Regions(RegionsCommand::List { keys, json }) => done(list_regions(&keys, json).await),
         Command::Regions(RegionsCommand::Fail(args)) => done(declare(args, RegionState::Failed).await),
         Command::Regions(RegionsCommand::Restore(args)) => done(declare(args, RegionState::Active).await),
@@ -351,7 +370,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let s = &args.serve;
     let ledger = Ledger::connect(&s.ledger).await.context("connecting to the ledger")?;
     let api_key = ApiKey::generate();
-    ledger.create_client("bench", &api_key).await.context("creating the bench client")?;
+    client_store(&s.keys).await.add("bench", &api_key).await.context("creating the bench client")?;
     let floor = bench::front_door::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
         ledger,
@@ -442,16 +461,56 @@ async fn declare(args: DeclareArgs, state: RegionState) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn add_client(name: &str, settings: &LedgerSettings, json: bool) -> anyhow::Result<()> {
-    let ledger = Ledger::connect(settings).await.with_context(|| format!("connecting to {}", settings.database_url))?;
+async fn client_store(keys: &KeyStoreSettings) -> ClientStore {
+    ClientStore::new(keystore::connect(keys).await, keys.table.clone())
+}
+
+async fn add_client(name: &str, keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {
     let key = ApiKey::generate();
-    let id = ledger.create_client(name, &key).await.context("creating the client (has `keyfence migrate` run?)")?;
+    let store = client_store(keys).await;
+    let id = store.add(name, &key).await.context("creating the client (has `keyfence migrate` run?)")?.id;
     if json {
         println!("{}", serde_json::json!({ "client_id": id.to_string(), "api_key": key.reveal() }));
     } else {
         println!("client {name}: {id}");
         println!("api key (shown only now): {}", key.reveal());
     }
+    Ok(())
+}
+
+async fn list_clients(keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {
+    let clients = client_store(keys).await.list().await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&clients)?);
+        return Ok(());
+    }
+    println!("{:<36}  {:<24}  {:<20}  revoked", "client", "name", "created");
+    let when = |ms: u64| {
+        keyfence::ledger::timestamp(Millis::new(ms))
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default()
+    };
+    for c in &clients {
+        println!(
+            "{:<36}  {:<24}  {:<20}  {}",
+            c.id,
+            c.name,
+            when(c.created_at),
+            c.revoked_at.map(when).unwrap_or_default()
+        );
+    }
+    println!("{} client(s)", clients.len());
+    Ok(())
+}
+
+async fn revoke_client(id: keyfence::domain::ClientId, keys: &KeyStoreSettings) -> anyhow::Result<()> {
+    let revoked = client_store(keys).await.revoke(id).await?;
+    println!(
+        "client {} ({}) revoked; its key is refused in every region within {} s",
+        revoked.id,
+        revoked.name,
+        keyfence::clients::CACHE_FOR.as_secs()
+    );
     Ok(())
 }
 
@@ -483,6 +542,7 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                 "applied": done.ledger.applied,
                 "version": done.ledger.version,
             },
+            "clients_copied": done.clients_copied,
         });
         println!("{report}");
     } else {
@@ -494,6 +554,9 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
             done.ledger.applied.len(),
             done.ledger.version.map_or_else(|| "none".to_owned(), |v| v.to_string()),
         );
+        if done.clients_copied > 0 {
+            println!("{} client(s) of this ledger are in the key table now (clients are global)", done.clients_copied);
+        }
     }
     Ok(())
 }

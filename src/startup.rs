@@ -11,6 +11,7 @@ use std::time::Duration;
 use axum::Router;
 use tokio::net::TcpListener;
 
+use crate::clients::{ClientStore, Directory};
 use crate::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
 use crate::http::{AppState, router, server};
@@ -26,6 +27,8 @@ pub enum StartupError {
     KeyStore(#[from] KeyStoreError),
     #[error("ledger: {0}")]
     Ledger(#[from] LedgerError),
+    #[error("clients: {0}")]
+    Clients(#[from] crate::clients::ClientsError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
     /// Settings that cannot work together; nothing was started.
@@ -42,6 +45,9 @@ pub const REGION_VIEW_AGE: Duration = Duration::from_secs(1);
 pub struct Migrated {
     pub table: TableChange,
     pub ledger: MigrationReport,
+    /// Clients found in the ledger (from before clients were global), now
+    /// in the key table.
+    pub clients_copied: usize,
 }
 
 /// Creates the key table if missing and brings the ledger schema up to date.
@@ -49,8 +55,15 @@ pub struct Migrated {
 pub async fn migrate(keys: &KeyStoreSettings, ledger: &LedgerSettings) -> Result<Migrated, StartupError> {
     let client = keystore::connect(keys).await;
     let table = keystore::ensure_table(&client, &keys.table).await?;
-    let (_, ledger) = Ledger::migrate(ledger).await?;
-    Ok(Migrated { table, ledger })
+    let (regional, ledger) = Ledger::migrate(ledger).await?;
+    // Clients used to live in each ledger; they are global now.
+    let directory = ClientStore::new(client, keys.table.clone());
+    let mut clients_copied = 0;
+    for (record, digest) in regional.legacy_clients().await? {
+        directory.put(record, &digest).await?;
+        clients_copied += 1;
+    }
+    Ok(Migrated { table, ledger, clients_copied })
 }
 
 /// The engine over the configured stores and rails.
@@ -91,7 +104,8 @@ impl Application {
             return Err(StartupError::Settings(conflicts));
         }
         let engine = Arc::new(build_engine(settings).await?);
-        let state = AppState { engine: engine.clone(), body_limit: settings.body_limit };
+        let clients = Directory::new(ClientStore::new(engine.keys().client().clone(), settings.keys.table.clone()));
+        let state = AppState { engine: engine.clone(), clients, body_limit: settings.body_limit };
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;

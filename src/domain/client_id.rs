@@ -8,7 +8,8 @@ use uuid::Uuid;
 
 /// A client of the API. A UUID, so it can never contain the `#` that
 /// separates it from the key in the key store's partition key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(transparent)]
 pub struct ClientId(Uuid);
 
 impl ClientId {

@@ -29,10 +29,13 @@ impl FromRequestParts<AppState> for Caller {
             .map(|(_, token)| token.trim())
             .filter(|t| !t.is_empty())
             .ok_or(ApiError::Unauthenticated)?;
-        match state.engine.ledger().client_by_key(&ApiKey::presented(token)).await {
+        match state.clients.find(&ApiKey::presented(token)).await {
             Ok(Some(client)) => Ok(Caller(client)),
             Ok(None) => Err(ApiError::Unauthenticated),
-            Err(e) => Err(crate::engine::EngineError::from(e).into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not look the caller up");
+                Err(ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) })
+            }
         }
     }
 }

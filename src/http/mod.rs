@@ -18,6 +18,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use tower_http::trace::TraceLayer;
 
+use crate::clients::Directory;
 use crate::engine::Engine;
 use crate::keystore::DynamoKeyStore;
 
@@ -26,6 +27,7 @@ pub use problem::ApiError;
 #[derive(Clone)]
 pub struct AppState {
     pub engine: Arc<Engine<DynamoKeyStore>>,
+    pub clients: Directory,
     /// Bodies over this many bytes are refused (413), as soon as their
     /// declared length says so.
     pub body_limit: usize,

@@ -1,28 +1,24 @@
-//! API clients: created by operators, looked up on every request by the
-//! digest of the presented API key.
+//! API clients kept in a region's ledger, as keyfence once did. Clients are
+//! global now (see [`crate::clients`]); `keyfence migrate` copies these into
+//! the key table so an upgrade loses none.
 
 use super::{Ledger, LedgerError};
-use crate::domain::{ApiKey, ClientId};
+use crate::clients::ClientRecord;
+use crate::domain::ClientId;
 
 impl Ledger {
-    /// Registers a client under the digest of its (new) API key.
-    pub async fn create_client(&self, name: &str, key: &ApiKey) -> Result<ClientId, LedgerError> {
-        let id = ClientId::generate();
-        sqlx::query("INSERT INTO clients (id, name, api_key_hash) VALUES ($1, $2, $3)")
-            .bind(id.as_uuid())
-            .bind(name)
-            .bind(key.digest())
-            .execute(&self.pool)
-            .await?;
-        Ok(id)
-    }
-
-    /// The client a presented API key belongs to, if any.
-    pub async fn client_by_key(&self, key: &ApiKey) -> Result<Option<ClientId>, LedgerError> {
-        let id: Option<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM clients WHERE api_key_hash = $1")
-            .bind(key.digest())
-            .fetch_optional(&self.pool)
-            .await?;
-        Ok(id.map(ClientId::new))
+    /// Every client this ledger holds, with the digest of its API key.
+    pub async fn legacy_clients(&self) -> Result<Vec<(ClientRecord, String)>, LedgerError> {
+        let rows: Vec<(uuid::Uuid, String, String, time::OffsetDateTime)> =
+            sqlx::query_as("SELECT id, name, api_key_hash, created_at FROM clients ORDER BY created_at")
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, name, digest, created_at)| {
+                let created_at = u64::try_from(created_at.unix_timestamp_nanos() / 1_000_000).unwrap_or_default();
+                (ClientRecord { id: ClientId::new(id), name, created_at, revoked_at: None }, digest)
+            })
+            .collect())
     }
 }

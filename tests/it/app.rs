@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use keyfence::clients::ClientStore;
 use keyfence::config::ServeSettings;
 use keyfence::domain::{ApiKey, ClientId};
 use keyfence::keystore::CONTROL_PREFIX;
@@ -94,19 +95,6 @@ impl TestApp {
     /// Starts region `name` beside this app's (whose region is `test-1`).
     pub async fn second_region(&self, name: &str) -> TestRegion {
         let db = TestLedger::new().await;
-        // The same API client, as every region knows it.
-        let (id, client, digest): (uuid::Uuid, String, String) =
-            sqlx::query_as("SELECT id, name, api_key_hash FROM clients")
-                .fetch_one(self.db.ledger.pool())
-                .await
-                .unwrap();
-        sqlx::query("INSERT INTO clients (id, name, api_key_hash) VALUES ($1, $2, $3)")
-            .bind(id)
-            .bind(client)
-            .bind(digest)
-            .execute(db.ledger.pool())
-            .await
-            .unwrap();
         let mut settings = self.settings.clone();
         settings.region = name.to_owned();
         settings.instance = format!("test-{name}");
@@ -152,7 +140,8 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
     adjust(&mut settings);
     let (url, stop) = start_instance(&settings).await;
     let api_key = ApiKey::generate();
-    db.ledger.create_client("test client", &api_key).await.unwrap();
+    let clients = ClientStore::new(keys.store.client().clone(), keys.store.table());
+    clients.add("test client", &api_key).await.unwrap();
     TestApp {
         url,
         settings,
@@ -238,16 +227,21 @@ impl TestApp {
         self.http.get(format!("{}{path}", self.url)).bearer_auth(api_key).send().await.unwrap()
     }
 
+    /// The client directory every region reads.
+    pub fn clients(&self) -> ClientStore {
+        ClientStore::new(self.keys.store.client().clone(), self.keys.store.table())
+    }
+
     /// The client this app's API key belongs to.
     pub async fn client_id(&self) -> keyfence::domain::ClientId {
-        let key = ApiKey::presented(&self.api_key);
-        self.db.ledger.client_by_key(&key).await.unwrap().expect("the test client exists")
+        let digest = ApiKey::presented(&self.api_key).digest();
+        self.clients().by_digest(&digest).await.unwrap().expect("the test client exists").id
     }
 
     /// A second client of the same service.
     pub async fn add_client(&self) -> (ClientId, String) {
         let key = ApiKey::generate();
-        let id = self.db.ledger.create_client("another client", &key).await.unwrap();
+        let id = self.clients().add("another client", &key).await.unwrap().id;
         (id, key.reveal().to_owned())
     }
 

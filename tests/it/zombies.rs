@@ -95,15 +95,6 @@ async fn a_zombie_fenced_out_at_finish_answers_the_successors_bytes() {
     let app = spawn_app().await;
     let body = payment("E2E-ZOMBIE-FINISH");
     let promoted = TestLedger::new().await;
-    let (id, name, digest): (uuid::Uuid, String, String) =
-        sqlx::query_as("SELECT id, name, api_key_hash FROM clients").fetch_one(app.db.ledger.pool()).await.unwrap();
-    sqlx::query("INSERT INTO clients (id, name, api_key_hash) VALUES ($1, $2, $3)")
-        .bind(id)
-        .bind(name)
-        .bind(digest)
-        .execute(promoted.ledger.pool())
-        .await
-        .unwrap();
 
     let zombie = ServeProcess::start(&app, Some("after-commit:FINISHED=sleep(4000)"), 0).await;
     let zombie_answer = app.pay_in_background(&zombie.url, "zombie-finish-1", &body);

@@ -1,0 +1,79 @@
+//! API clients are global: created once with `keyfence clients add`, a
+//! client works in every region; revoked once, it is refused in every
+//! region within the documented delay; and clients an older keyfence kept
+//! in a region's ledger are carried into the key table by `migrate`.
+
+use std::time::{Duration, Instant};
+
+use keyfence::clients::CACHE_FOR;
+use keyfence::domain::ApiKey;
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use crate::app::{payment, spawn_app};
+use crate::process::keyfence_command;
+
+async fn cli(app: &crate::app::TestApp, args: &[&str]) -> String {
+    let out = keyfence_command(app, args[0]).args(&args[1..]).output().await.unwrap();
+    assert!(out.status.success(), "keyfence {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_created_once_works_everywhere_and_revoked_once_nowhere() {
+    let app = spawn_app().await;
+    let b = app.second_region("test-2").await;
+    let created: Value =
+        serde_json::from_str(&cli(&app, &["clients", "add", "--name", "acme", "--json"]).await).unwrap();
+    let (id, key) = (created["client_id"].as_str().unwrap(), created["api_key"].as_str().unwrap());
+
+    for (i, url) in [&app.url, &b.url].into_iter().enumerate() {
+        let paid = app.try_pay_at(url, key, &format!("acme-{i}"), &payment("E2E-ACME")).await.unwrap();
+        assert_eq!(paid.status(), StatusCode::CREATED, "region {i} knows the client");
+    }
+    let listed: Value = serde_json::from_str(&cli(&app, &["clients", "list", "--json"]).await).unwrap();
+    assert!(
+        listed.as_array().unwrap().iter().any(|c| c["id"] == id && c["name"] == "acme" && c["revoked_at"].is_null())
+    );
+
+    cli(&app, &["clients", "revoke", "--id", id]).await;
+    let revoked = Instant::now();
+    for (i, url) in [&app.url, &b.url].into_iter().enumerate() {
+        loop {
+            let status =
+                app.try_pay_at(url, key, &format!("acme-late-{i}"), &payment("E2E-LATE")).await.unwrap().status();
+            if status == StatusCode::UNAUTHORIZED {
+                break;
+            }
+            assert_eq!(status, StatusCode::CREATED);
+            assert!(revoked.elapsed() < CACHE_FOR + Duration::from_secs(1), "region {i} still accepts a revoked key");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let listed: Value = serde_json::from_str(&cli(&app, &["clients", "list", "--json"]).await).unwrap();
+    assert!(listed.as_array().unwrap().iter().any(|c| c["id"] == id && c["revoked_at"].is_u64()));
+}
+
+#[tokio::test]
+async fn migrate_carries_a_ledgers_clients_into_the_key_table() {
+    let app = spawn_app().await;
+    let key = ApiKey::generate();
+    let id = uuid::Uuid::now_v7();
+    sqlx::query("INSERT INTO clients (id, name, api_key_hash) VALUES ($1, 'old client', $2)")
+        .bind(id)
+        .bind(key.digest())
+        .execute(app.db.ledger.pool())
+        .await
+        .unwrap();
+    let refused = app.pay_as(key.reveal(), "old-1", &payment("E2E-OLD")).await;
+    assert_eq!(refused.status(), StatusCode::UNAUTHORIZED, "not known until migrated");
+
+    let said = cli(&app, &["migrate"]).await;
+    assert!(said.contains("1 client(s) of this ledger are in the key table now"), "{said}");
+    let record = app.clients().by_digest(&key.digest()).await.unwrap().expect("copied");
+    assert_eq!((record.id.as_uuid(), record.name.as_str()), (id, "old client"));
+    tokio::time::sleep(CACHE_FOR).await;
+    assert_eq!(app.pay_as(key.reveal(), "old-1", &payment("E2E-OLD")).await.status(), StatusCode::CREATED);
+    cli(&app, &["migrate"]).await;
+    assert_eq!(app.clients().list().await.unwrap().len(), 2, "a second migrate copies nothing twice");
+}
