@@ -165,6 +165,11 @@ pub struct ServeSettings {
     /// The region this instance serves; requests first claimed elsewhere are replayed, not worked.
     #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
     pub region: String,
+    /// Where clients and other regions reach this region's front door (its load
+    /// balancer); advertised in the key table so other regions can ask it for
+    /// what only it holds. Default: http:// and the address `serve` listens on.
+    #[arg(long = "public-url", env = "KEYFENCE_PUBLIC_URL")]
+    pub public_url: Option<String>,
     /// Names this instance in the leases it holds.
     #[arg(long, env = "KEYFENCE_INSTANCE", default_value_t = default_instance())]
     pub instance: String,

@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use crate::clients::{ClientStore, Directory};
 use crate::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
-use crate::http::{AppState, router, server};
+use crate::http::{AppState, Peers, router, server};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
@@ -105,11 +105,21 @@ impl Application {
         }
         let engine = Arc::new(build_engine(settings).await?);
         let clients = Directory::new(ClientStore::new(engine.keys().client().clone(), settings.keys.table.clone()));
-        let state = AppState { engine: engine.clone(), clients, body_limit: settings.body_limit };
+        let state = AppState { engine: engine.clone(), clients, peers: Peers::default(), body_limit: settings.body_limit };
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
         let recovery_interval = Some(Duration::from_millis(settings.recovery_interval_ms)).filter(|d| !d.is_zero());
+        let url = match &settings.public_url {
+            Some(url) => url.clone(),
+            None => format!(
+                "http://{}",
+                listener.local_addr().map_err(|source| StartupError::Listen { addr: settings.listen, source })?
+            ),
+        };
+        if let Err(e) = engine.regions().store().advertise(&settings.region, &url).await {
+            tracing::warn!(error = %e, "could not advertise this region's URL; other regions cannot ask it for payments");
+        }
         let limits = server::Limits {
             header_read: settings.header_timeout,
             body_read: settings.body_timeout,

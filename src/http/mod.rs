@@ -8,6 +8,7 @@ mod extract;
 mod json;
 mod keys;
 mod payments;
+mod peers;
 mod problem;
 pub mod server;
 
@@ -22,12 +23,15 @@ use crate::clients::Directory;
 use crate::engine::Engine;
 use crate::keystore::DynamoKeyStore;
 
+pub use peers::Peers;
 pub use problem::ApiError;
 
 #[derive(Clone)]
 pub struct AppState {
     pub engine: Arc<Engine<DynamoKeyStore>>,
     pub clients: Directory,
+    /// The other regions, for reads this region's ledger cannot answer.
+    pub peers: peers::Peers,
     /// Bodies over this many bytes are refused (413), as soon as their
     /// declared length says so.
     pub body_limit: usize,

@@ -1,6 +1,7 @@
 //! `/v1/payments`: create a payment (the idempotent POST) and read the
 //! caller's payments. Reads are scoped to the caller: another client's
-//! payment is simply not found.
+//! payment is simply not found. A payment worked in another region is
+//! fetched from that region ([`super::peers`]).
 
 use axum::Json;
 use axum::body::Bytes;
@@ -9,13 +10,14 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, require_json};
+use super::peers::{Asked, FORWARDED};
 use super::{ApiError, AppState, json};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
-use crate::engine::{Answer, PaymentOperation, Submission};
+use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
 
 const PATH: &str = "/v1/payments";
 
@@ -86,12 +88,23 @@ fn respond(answer: Answer) -> Result<Response, ApiError> {
 pub async fn show(
     State(state): State<AppState>,
     Caller(client): Caller,
+    headers: HeaderMap,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     // Not a UUID (or not even UTF-8): no payment has that id.
     let id = id.ok().and_then(|Path(id)| Uuid::parse_str(&id).ok()).ok_or(ApiError::NotFound)?;
-    let payment = state.engine.ledger().payment_of(client, id).await.map_err(crate::engine::EngineError::from)?;
-    payment.map(|p| Json(p).into_response()).ok_or(ApiError::NotFound)
+    if let Some(payment) = state.engine.ledger().payment_of(client, id).await.map_err(EngineError::from)? {
+        return Ok(Json(payment).into_response());
+    }
+    let Some(auth) = headers.get(header::AUTHORIZATION).filter(|_| !headers.contains_key(FORWARDED)) else {
+        return Err(ApiError::NotFound);
+    };
+    let registry = state.engine.regions().current().await;
+    match state.peers.payment(&registry, state.engine.region(), auth, &format!("{PATH}/{id}")).await {
+        Asked::Found(payment) => Ok(Json(payment).into_response()),
+        Asked::Nowhere => Err(ApiError::NotFound),
+        Asked::Unreachable(regions) => Err(ApiError::PeersUnreachable(regions)),
+    }
 }
 
 #[derive(Deserialize)]
@@ -102,6 +115,7 @@ pub struct ByReference {
 pub async fn by_reference(
     State(state): State<AppState>,
     Caller(client): Caller,
+    headers: HeaderMap,
     query: Result<Query<ByReference>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|rejection| ApiError::InvalidQuery(rejection.body_text()))?;
@@ -111,11 +125,34 @@ pub async fn by_reference(
             "end_to_end_id must be 1-35 characters without control characters (ISO 20022 Max35Text)".into(),
         ));
     }
-    let payments = state
-        .engine
-        .ledger()
-        .payments_by_reference(client, &reference)
-        .await
-        .map_err(crate::engine::EngineError::from)?;
-    Ok(Json(json!({ "data": payments })).into_response())
+    let local = state.engine.ledger().payments_by_reference(client, &reference).await.map_err(EngineError::from)?;
+    let mut payments: Vec<Value> = local.iter().filter_map(|p| serde_json::to_value(p).ok()).collect();
+    if let Some(auth) = headers.get(header::AUTHORIZATION).filter(|_| !headers.contains_key(FORWARDED)) {
+        let registry = state.engine.regions().current().await;
+        let query = [("end_to_end_id", reference.as_str())];
+        match state.peers.listing(&registry, state.engine.region(), auth, PATH, &query).await {
+            Asked::Found(theirs) => payments.extend(theirs),
+            Asked::Nowhere => {}
+            Asked::Unreachable(regions) => return Err(ApiError::PeersUnreachable(regions)),
+        }
+    }
+    Ok(Json(json!({ "data": merged(payments) })).into_response())
+}
+
+/// One entry per payment, oldest first, at most 100: a payment another
+/// region took over is also in the ledger it left, voided there; the live
+/// copy wins.
+fn merged(payments: Vec<Value>) -> Vec<Value> {
+    let mut by_id: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
+    for payment in payments {
+        let id = payment["id"].as_str().unwrap_or_default().to_owned();
+        let voided = |p: &Value| p["status"] == "voided";
+        if by_id.get(&id).is_none_or(|kept| voided(kept) && !voided(&payment)) {
+            by_id.insert(id, payment);
+        }
+    }
+    let mut all: Vec<Value> = by_id.into_values().collect();
+    all.sort_by(|a, b| (a["created_at"].as_str(), a["id"].as_str()).cmp(&(b["created_at"].as_str(), b["id"].as_str())));
+    all.truncate(100);
+    all
 }

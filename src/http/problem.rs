@@ -33,6 +33,7 @@ pub enum ApiError {
     KeyReused,
     Unavailable { retry_after: Duration },
     RegionFailed(String),
+    PeersUnreachable(Vec<String>),
     Internal(String),
 }
 
@@ -162,6 +163,16 @@ impl IntoResponse for ApiError {
                 ),
                 None,
             ),
+            ApiError::PeersUnreachable(regions) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "region-unreachable",
+                "Another region could not be asked",
+                format!(
+                    "This region does not hold it, and region(s) {} that might could not be asked; try again.",
+                    regions.join(", ")
+                ),
+                None,
+            ),
             ApiError::Internal(why) => {
                 tracing::error!(error = %why, "internal error");
                 (
@@ -186,6 +197,9 @@ impl IntoResponse for ApiError {
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         match self {
+            ApiError::PeersUnreachable(_) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
+            }
             ApiError::InFlight { retry_after } | ApiError::Unavailable { retry_after } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
             }

@@ -58,6 +58,9 @@ pub struct Registry {
     pub epoch: u64,
     pub regions: BTreeMap<String, Change>,
     pub history: Vec<Change>,
+    /// Where each region's front door answers, as its instances advertise
+    /// it; regions ask each other for what they do not hold.
+    pub urls: BTreeMap<String, String>,
 }
 
 impl Registry {

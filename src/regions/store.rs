@@ -4,7 +4,7 @@
 //! change is one conditional update on the epoch it read, retried on a
 //! fresh read when another change won in between.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
@@ -120,6 +120,33 @@ impl RegionStore {
         Err(RegionsError::Contended)
     }
 
+    /// Records where `region`'s front door answers. Not a change of state:
+    /// the epoch stays.
+    pub async fn advertise(&self, region: &str, url: &str) -> Result<(), RegionsError> {
+        self.create_if_missing().await?;
+        // A registry written before regions advertised has no map yet.
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", AttributeValue::S(REGISTRY_PK.into()))
+            .update_expression("SET urls = if_not_exists(urls, :empty)")
+            .expression_attribute_values(":empty", AttributeValue::M(HashMap::new()))
+            .send()
+            .await
+            .map_err(store)?;
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", AttributeValue::S(REGISTRY_PK.into()))
+            .update_expression("SET urls.#r = :url")
+            .expression_attribute_names("#r", region)
+            .expression_attribute_values(":url", AttributeValue::S(url.into()))
+            .send()
+            .await
+            .map_err(store)?;
+        Ok(())
+    }
+
     async fn create_if_missing(&self) -> Result<(), RegionsError> {
         let empty: Attrs = HashMap::from([
             ("pk".to_owned(), AttributeValue::S(REGISTRY_PK.into())),
@@ -127,6 +154,7 @@ impl RegionStore {
             ("epoch".to_owned(), n(0)),
             ("regions".to_owned(), AttributeValue::M(HashMap::new())),
             ("history".to_owned(), AttributeValue::L(Vec::new())),
+            ("urls".to_owned(), AttributeValue::M(HashMap::new())),
         ]);
         let put = self
             .client
@@ -176,7 +204,15 @@ fn decode(item: &Attrs) -> Result<Registry, RegionsError> {
         Some(AttributeValue::L(list)) => list.iter().map(decode_change).collect(),
         _ => Err(malformed("history")),
     }?;
-    Ok(Registry { epoch: number(item, "epoch")?, regions, history })
+    let urls = match item.get("urls") {
+        None => BTreeMap::new(),
+        Some(AttributeValue::M(map)) => map
+            .iter()
+            .map(|(region, url)| url.as_s().map(|u| (region.clone(), u.clone())).map_err(|_| malformed("urls")))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(malformed("urls")),
+    };
+    Ok(Registry { epoch: number(item, "epoch")?, regions, history, urls })
 }
 
 fn decode_change(value: &AttributeValue) -> Result<Change, RegionsError> {

@@ -133,6 +133,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(10),
         max_connections: 1024,
+        public_url: None,
         recovery_interval_ms: 0,
         max_unknown_attempts: 5,
         retention_hours: 72,

@@ -212,3 +212,32 @@ async fn the_same_key_sent_to_both_regions_at_once_is_paid_once() {
         assert_eq!((statement.len(), distinct.len()), (rounds as usize, rounds as usize), "one instruction each");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_region_answers_for_the_callers_own_payments() {
+    let app = spawn_app().await;
+    let b = app.second_region("test-2").await;
+    let paid = app.pay("read-1", &payment("E2E-READ")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
+    let id = paid.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let get = |url: &str, path: &str, api_key: &str| {
+        app.http.get(format!("{url}{path}")).bearer_auth(api_key.to_owned()).send()
+    };
+
+    let here: Value = get(&app.url, &format!("/v1/payments/{id}"), &app.api_key).await.unwrap().json().await.unwrap();
+    let there = get(&b.url, &format!("/v1/payments/{id}"), &app.api_key).await.unwrap();
+    assert_eq!(there.status(), StatusCode::OK, "B asks A for it");
+    assert_eq!(there.json::<Value>().await.unwrap(), here, "the same payment from either region");
+    let listed: Value =
+        get(&b.url, "/v1/payments?end_to_end_id=E2E-READ", &app.api_key).await.unwrap().json().await.unwrap();
+    assert_eq!(listed["data"].as_array().unwrap().len(), 1);
+    assert_eq!(listed["data"][0]["id"], id.as_str());
+    let key = get(&b.url, "/v1/idempotency-keys/read-1", &app.api_key).await.unwrap();
+    assert_eq!(key.json::<Value>().await.unwrap()["state"], "finished");
+
+    let (_, stranger) = app.add_client().await;
+    let theirs = get(&b.url, &format!("/v1/payments/{id}"), &stranger).await.unwrap();
+    assert_eq!(theirs.status(), StatusCode::NOT_FOUND, "another client's payment is 404 everywhere");
+    let nowhere = get(&b.url, &format!("/v1/payments/{}", uuid::Uuid::now_v7()), &app.api_key).await.unwrap();
+    assert_eq!(nowhere.status(), StatusCode::NOT_FOUND, "404 once every region said so");
+}

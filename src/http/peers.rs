@@ -1,0 +1,115 @@
+//! Reads another region may hold. A payment lives in the ledger of the
+//! region that worked it; a client may ask any region. What this region's
+//! ledger lacks it asks the other regions for (their front doors, at the
+//! URLs they advertise in the key table), on the caller's own
+//! credentials, marked as forwarded so the region asked answers only from
+//! its own ledger. A region that cannot be asked makes the answer 503, not
+//! 404: "not found" is said only when every region that could hold it says so.
+
+use std::time::Duration;
+
+use axum::http::HeaderValue;
+use serde_json::Value;
+
+use crate::regions::Registry;
+
+/// Marks a request one region makes of another.
+pub const FORWARDED: &str = "keyfence-forwarded";
+
+/// How long another region gets to answer.
+const PEER_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Clone, Debug)]
+pub struct Peers {
+    http: reqwest::Client,
+}
+
+/// What the other regions said.
+pub enum Asked<T> {
+    Found(T),
+    /// Every other region answered, and none holds it.
+    Nowhere,
+    /// These regions could not be asked.
+    Unreachable(Vec<String>),
+}
+
+impl Default for Peers {
+    fn default() -> Self {
+        let http = reqwest::Client::builder().timeout(PEER_TIMEOUT).build().expect("an HTTP client");
+        Self { http }
+    }
+}
+
+impl Peers {
+    /// The payment at `path` as the first other region holding it shows it.
+    pub async fn payment(&self, registry: &Registry, me: &str, auth: &HeaderValue, path: &str) -> Asked<Value> {
+        let mut unreachable = Vec::new();
+        for (region, url) in others(registry, me) {
+            match self.get(url, path, &[], auth).await {
+                Ok(Some(found)) => return Asked::Found(found),
+                Ok(None) => {}
+                Err(()) => unreachable.push(region.to_owned()),
+            }
+        }
+        if unreachable.is_empty() { Asked::Nowhere } else { Asked::Unreachable(unreachable) }
+    }
+
+    /// Every other region's answer to a listing at `path` with `query`
+    /// (`{"data": [...]}`).
+    pub async fn listing(
+        &self,
+        registry: &Registry,
+        me: &str,
+        auth: &HeaderValue,
+        path: &str,
+        query: &[(&str, &str)],
+    ) -> Asked<Vec<Value>> {
+        let mut all = Vec::new();
+        let mut unreachable = Vec::new();
+        for (region, url) in others(registry, me) {
+            match self.get(url, path, query, auth).await {
+                Ok(Some(Value::Object(mut page))) => match page.remove("data") {
+                    Some(Value::Array(items)) => all.extend(items),
+                    _ => unreachable.push(region.to_owned()),
+                },
+                Ok(_) => {}
+                Err(()) => unreachable.push(region.to_owned()),
+            }
+        }
+        if unreachable.is_empty() { Asked::Found(all) } else { Asked::Unreachable(unreachable) }
+    }
+
+    /// `Ok(None)` for a 404; `Err` when the region did not answer usefully.
+    async fn get(
+        &self,
+        base: &str,
+        path: &str,
+        query: &[(&str, &str)],
+        auth: &HeaderValue,
+    ) -> Result<Option<Value>, ()> {
+        let sent = self
+            .http
+            .get(format!("{}{path}", base.trim_end_matches('/')))
+            .query(query)
+            .header(axum::http::header::AUTHORIZATION, auth.clone())
+            .header(FORWARDED, "1")
+            .send()
+            .await
+            .map_err(|e| tracing::warn!(base, error = %e, "another region could not be asked"))?;
+        match sent.status() {
+            reqwest::StatusCode::OK => sent.json().await.map(Some).map_err(|_| ()),
+            reqwest::StatusCode::NOT_FOUND => Ok(None),
+            status => {
+                tracing::warn!(base, %status, "another region could not answer");
+                Err(())
+            }
+        }
+    }
+}
+
+/// The regions other than `me` that advertise a URL. A region declared
+/// failed is asked too: it still holds what it finished, and answers reads
+/// while it is reachable.
+fn others<'a>(registry: &'a Registry, me: &'a str) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+    registry.urls.iter().filter(move |(region, _)| region.as_str() != me).map(|(r, url)| (r.as_str(), url.as_str()))
+}
