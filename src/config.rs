@@ -205,6 +205,14 @@ pub struct ServeSettings {
     /// How often the recovery worker looks for stale requests, in milliseconds (0: never).
     #[arg(long = "recovery-interval-ms", env = "KEYFENCE_RECOVERY_INTERVAL_MS", default_value_t = 5000)]
     pub recovery_interval_ms: u64,
+    /// How often `serve` deletes expired keys itself, in milliseconds (0: never; for tables without
+    /// a time-to-live, such as strongly consistent global tables).
+    #[arg(long = "expire-interval-ms", env = "KEYFENCE_EXPIRE_INTERVAL_MS", default_value_t = 0)]
+    pub expire_interval_ms: u64,
+    /// Expired keys deleted per second at most, by `serve` and by `keyfence maintain --expire`.
+    #[arg(long = "expire-rate", env = "KEYFENCE_EXPIRE_RATE", default_value_t = 50,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub expire_rate: u32,
     /// Attempts with an unknown external outcome before a request is marked indeterminate.
     #[arg(long = "max-unknown-attempts", env = "KEYFENCE_MAX_UNKNOWN_ATTEMPTS", default_value_t = 5,
           value_parser = clap::value_parser!(i32).range(1..))]

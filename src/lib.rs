@@ -18,6 +18,8 @@
 //! - [`regions`]: which regions are active or declared failed (a control
 //!   item of the key table, with an epoch), as each instance sees it.
 //! - [`http`]: the axum front door; validates input and calls the engine.
+//! - [`recovery`], [`reconcile`], [`expiry`]: the workers beside traffic:
+//!   resuming stale requests, repairing divergence, reaping expired keys.
 //! - [`config`], [`startup`], [`telemetry`], [`bench`]: settings, building
 //!   the service, logs and trace export, load measurement, for the `keyfence` binary.
 
@@ -26,6 +28,7 @@ pub mod clients;
 pub mod config;
 pub mod domain;
 pub mod engine;
+pub mod expiry;
 pub mod failpoint;
 pub mod http;
 pub mod keystore;

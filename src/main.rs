@@ -32,6 +32,8 @@ enum Command {
     /// Manage API clients.
     #[command(subcommand)]
     Clients(ClientsCommand),
+    /// Housekeeping beside traffic: --expire deletes finished keys past their retention.
+    Maintain(MaintainArgs),
     /// See which regions are active, declare one failed, or bring it back.
     #[command(subcommand)]
     Regions(RegionsCommand),
@@ -168,6 +170,24 @@ struct MigrateArgs {
     json: bool,
 }
 
+#[derive(Args)]
+struct MaintainArgs {
+    /// Delete finished keys past their retention (for tables without a time-to-live).
+    #[arg(long)]
+    expire: bool,
+    /// Deletes per second at most.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    rate: u32,
+    /// Parallel segments of the table scan.
+    #[arg(long, default_value_t = 4)]
+    segments: u32,
+    /// Print the report as JSON instead of a summary.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    keys: KeyStoreSettings,
+}
+
 #[derive(Subcommand)]
 enum RegionsCommand {
     /// Every region's state, epoch and last change (who, when, why).
@@ -260,6 +280,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Clients(ClientsCommand::Add { name, keys, json }) => done(add_client(&name, &keys, json).await),
         Command::Clients(ClientsCommand::List { keys, json }) => done(list_clients(&keys, json).await),
         Command::Clients(ClientsCommand::Revoke { id, keys }) => done(revoke_client(id, &keys).await),
+        Command::Maintain(args) => done(maintain(args).await),
         Command::Regions(RegionsCommand::List { keys, json }) => done(list_regions(&keys, json).await),
         Command::Regions(RegionsCommand::Fail(args)) => done(declare(args, RegionState::Failed).await),
         Command::Regions(RegionsCommand::Restore(args)) => done(declare(args, RegionState::Active).await),
@@ -409,6 +430,38 @@ async fn serve(settings: ServeSettings) -> anyhow::Result<ExitCode> {
     app.run_until_stopped(shutdown_signal()).await?;
     tracing::info!("keyfence stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+struct ExpiryBar(indicatif::ProgressBar);
+
+impl keyfence::expiry::Progress for ExpiryBar {
+    fn scanned(&self, keys: usize) {
+        self.0.set_message(format!("scanned {keys} keys"));
+    }
+    fn deleted(&self, keys: usize) {
+        self.0.set_position(keys as u64);
+    }
+}
+
+async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.expire, "nothing to do: say what to maintain (--expire)");
+    let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await, args.keys.table.clone());
+    let bar = ExpiryBar(indicatif::ProgressBar::new_spinner());
+    bar.0.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {msg}, {pos} deleted ({per_sec})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    bar.0.enable_steady_tick(std::time::Duration::from_millis(120));
+    let options = keyfence::expiry::Options { segments: args.segments, rate: args.rate };
+    let report = keyfence::expiry::sweep(&keys, options, &bar).await;
+    bar.0.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.summary());
+    }
+    anyhow::ensure!(report.failures.is_empty(), "{} failure(s)", report.failures.len());
+    Ok(())
 }
 
 async fn list_regions(keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {

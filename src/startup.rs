@@ -18,8 +18,8 @@ use crate::http::{AppState, Peers, router, server};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
-use crate::recovery;
 use crate::regions::{RegionStore, RegionView};
+use crate::{expiry, recovery};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
@@ -94,6 +94,8 @@ pub struct Application {
     limits: server::Limits,
     /// `None`: no recovery worker in this process.
     recovery_interval: Option<Duration>,
+    /// `None`: no expiry sweeper in this process.
+    expiry: Option<(Duration, expiry::Options)>,
 }
 
 impl Application {
@@ -105,7 +107,8 @@ impl Application {
         }
         let engine = Arc::new(build_engine(settings).await?);
         let clients = Directory::new(ClientStore::new(engine.keys().client().clone(), settings.keys.table.clone()));
-        let state = AppState { engine: engine.clone(), clients, peers: Peers::default(), body_limit: settings.body_limit };
+        let state =
+            AppState { engine: engine.clone(), clients, peers: Peers::default(), body_limit: settings.body_limit };
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
@@ -125,7 +128,10 @@ impl Application {
             body_read: settings.body_timeout,
             max_connections: settings.max_connections,
         };
-        Ok(Self { listener, router: router(state), engine, limits, recovery_interval })
+        let expiry = Some(Duration::from_millis(settings.expire_interval_ms))
+            .filter(|d| !d.is_zero())
+            .map(|every| (every, expiry::Options { segments: 1, rate: settings.expire_rate }));
+        Ok(Self { listener, router: router(state), engine, limits, recovery_interval, expiry })
     }
 
     /// Where it listens (useful when bound to port 0).
@@ -139,14 +145,17 @@ impl Application {
         let (stop, stopped) = tokio::sync::watch::channel(());
         let worker = self
             .recovery_interval
-            .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped)));
+            .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped.clone())));
+        let reaper = self.expiry.map(|(every, options)| {
+            tokio::spawn(expiry::run_until_stopped(self.engine.clone(), every, options, stopped))
+        });
         let served = server::serve(self.listener, self.router, self.limits, async move {
             shutdown.await;
             drop(stop);
         })
         .await;
-        if let Some(worker) = worker {
-            let _ = worker.await;
+        for task in worker.into_iter().chain(reaper) {
+            let _ = task.await;
         }
         served
     }

@@ -351,6 +351,26 @@ impl KeyStore for DynamoKeyStore {
         }
     }
     #[tracing::instrument(skip_all, fields(pk = %key))]
+    async fn delete_expired(&self, key: &ScopedKey, now: Millis) -> Result<bool, KeyStoreError> {
+        let sent = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .condition_expression("#state = :finished AND #expires < :now")
+            .set_expression_attribute_names(Some(names_for(&["#state", "#expires"])))
+            .expression_attribute_values(":finished", s(KeyState::Finished.as_str()))
+            .expression_attribute_values(":now", n(now.as_secs()))
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(_) => Ok(true),
+            Err(Failure::Condition(_)) => Ok(false),
+            Err(Failure::Store(e)) => Err(e),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key))]
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         let out = self
             .client

@@ -141,6 +141,17 @@ impl KeyStore for MemoryKeyStore {
         })
     }
 
+    async fn delete_expired(&self, key: &ScopedKey, now: Millis) -> Result<bool, KeyStoreError> {
+        self.with_items(|items| {
+            let pk = key.partition_key();
+            let expired = items.get(&pk).is_some_and(|item| item.expired(now));
+            if expired {
+                items.remove(&pk);
+            }
+            Ok(expired)
+        })
+    }
+
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         Ok(self.with_items(|items| items.get(&key.partition_key()).cloned()))
     }

@@ -152,6 +152,11 @@ pub trait KeyStore: Send + Sync {
         how: Release,
     ) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
 
+    /// Deletes the item if it is finished and past its retention at `now`
+    /// (for tables without a time-to-live of their own). False if it is not
+    /// (any more): gone, or claimed again meanwhile.
+    fn delete_expired(&self, key: &ScopedKey, now: Millis) -> impl Future<Output = Result<bool, KeyStoreError>> + Send;
+
     /// A strongly consistent read of the item.
     fn get(&self, key: &ScopedKey) -> impl Future<Output = Result<Option<KeyItem>, KeyStoreError>> + Send;
 

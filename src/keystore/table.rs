@@ -1,6 +1,7 @@
 //! The key table's schema, created by `keyfence migrate` (and by the test
 //! harness, one table per test): partition key `pk`, the sparse in-flight
-//! index the recovery worker queries, and time-to-live on `expires_at`.
+//! index the recovery worker queries, and time-to-live on `expires_at` where
+//! the table supports it.
 //! Creating is idempotent: an existing table is left as it is.
 
 use std::time::Duration;
@@ -38,7 +39,11 @@ pub async fn ensure_table(client: &Client, table: &str) -> Result<TableChange, K
         Err(e) => return Err(fault(e)),
     };
     wait_active(client, table).await?;
-    enable_ttl(client, table).await?;
+    // A strongly consistent global table has no time-to-live: keyfence
+    // expires keys itself there (claims and `keyfence maintain --expire`).
+    if let Err(e) = enable_ttl(client, table).await {
+        tracing::warn!(error = %e, "the key table has no time-to-live; expire keys with `keyfence maintain --expire`");
+    }
     Ok(change)
 }
 

@@ -30,10 +30,15 @@ pub enum Class {
     FencedLeftover,
     /// Both finished, with different answers.
     AnswerMismatch,
+    /// The key names another request than this ledger's for it: the key
+    /// was claimed twice (two regions both won one claim under eventual
+    /// consistency, or a lost key was claimed afresh by a retry), so the
+    /// payment was worked twice, each time under its own derived keys.
+    WorkedTwice,
 }
 
 impl Class {
-    pub const ALL: [Class; 7] = [
+    pub const ALL: [Class; 8] = [
         Class::PaymentMissing,
         Class::KeyNotFinished,
         Class::KeyMissing,
@@ -41,6 +46,7 @@ impl Class {
         Class::UnknownOutcome,
         Class::FencedLeftover,
         Class::AnswerMismatch,
+        Class::WorkedTwice,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -52,6 +58,7 @@ impl Class {
             Class::UnknownOutcome => "unknown_outcome",
             Class::FencedLeftover => "fenced_leftover",
             Class::AnswerMismatch => "answer_mismatch",
+            Class::WorkedTwice => "worked_twice",
         }
     }
 }

@@ -138,13 +138,26 @@ pub async fn run<K: KeyStore>(
         let orphan = !seen.contains(&(view.record.key.partition_key(), view.record.created_at));
         let kind = classify_orphan(&view, &thresholds);
         if orphan && kind != Orphan::Voided {
-            let current = engine.keys().get(&view.record.key).await?;
-            let gone = current.is_none_or(|item| item.expired(now) || item.created_at != view.record.created_at);
-            if gone && kind == Orphan::Expired {
-                expired += 1;
-            } else if gone {
-                let evidence = format!("ledger at {} under fence {}; no key item", view.recovery_point, view.fence);
-                let finding = Finding::new(Class::KeyMissing, &view.record.key, view.record.payment_id, evidence);
+            let ours = format!("ledger at {} under fence {}", view.recovery_point, view.fence);
+            let (class, evidence) = match engine.keys().get(&view.record.key).await?.filter(|i| !i.expired(now)) {
+                Some(item) if item.created_at == view.record.created_at => (None, String::new()),
+                _ if kind == Orphan::Expired => {
+                    expired += 1;
+                    (None, String::new())
+                }
+                Some(item) => (
+                    Some(Class::WorkedTwice),
+                    format!(
+                        "{ours}; the key names another request (payment {}, home {}, {})",
+                        item.payment_id,
+                        item.home_region,
+                        item.state.as_str()
+                    ),
+                ),
+                None => (Some(Class::KeyMissing), format!("{ours}; no key item")),
+            };
+            if let Some(class) = class {
+                let finding = Finding::new(class, &view.record.key, view.record.payment_id, evidence);
                 lock(&found).push((finding, None, Some(view)));
             }
         }

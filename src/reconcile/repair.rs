@@ -73,6 +73,11 @@ pub async fn repair<K: KeyStore>(
         (Class::AnswerMismatch, _, _) => Acted::Unresolved(
             "not repaired: clients have been given the key store's answer; compare both and decide by hand".into(),
         ),
+        (Class::WorkedTwice, _, _) => Acted::Unresolved(
+            "not repaired: two payments were made under one key, and this one's instructions reached the rails \
+             under its own derived keys; settle or refund it by hand"
+                .into(),
+        ),
         (class, _, _) => return Err(EngineError::Fault(format!("{class:?}: the finding lacks what its repair needs"))),
     };
     let (action, wait) = match acted {
@@ -119,7 +124,7 @@ async fn gone<K: KeyStore>(
                 }),
             }
         }
-        Class::AnswerMismatch => false,
+        Class::AnswerMismatch | Class::WorkedTwice => false,
     })
 }
 

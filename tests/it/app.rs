@@ -135,6 +135,8 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         max_connections: 1024,
         public_url: None,
         recovery_interval_ms: 0,
+        expire_interval_ms: 0,
+        expire_rate: 50,
         max_unknown_attempts: 5,
         retention_hours: 72,
     };

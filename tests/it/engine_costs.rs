@@ -71,6 +71,10 @@ impl<K: KeyStore> KeyStore for Counting<K> {
         self.note("release");
         self.inner.release(key, holder, how).await
     }
+    async fn delete_expired(&self, key: &ScopedKey, now: Millis) -> Result<bool, KeyStoreError> {
+        self.note("delete_expired");
+        self.inner.delete_expired(key, now).await
+    }
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         self.note("get");
         self.inner.get(key).await

@@ -9,6 +9,7 @@ mod crash;
 mod declines;
 mod emulator;
 mod engine_costs;
+mod expiry;
 mod failover;
 mod front_door;
 mod front_door_faults;

@@ -12,7 +12,7 @@ use keyfence::keystore::{KeyItem, KeyState, KeyStore};
 use keyfence::reconcile::{self, Class, Options, Progress, Report};
 use keyfence::startup::build_engine;
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
 
@@ -372,4 +372,28 @@ async fn a_refused_repair_stays_unresolved_and_exits_1() {
     let point: String =
         sqlx::query_scalar("SELECT recovery_point FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
     assert_eq!(point, "EXT1_SENT", "nothing changed");
+}
+
+/// A key lost from the table, then claimed afresh by the client's retry:
+/// the payment was made twice. The reconciler names it and leaves it for a
+/// person (the first copy's instructions reached the rails under their own
+/// derived keys), instead of trying to put back a key that now names
+/// another request.
+#[tokio::test]
+async fn a_key_claimed_twice_is_reported_as_worked_twice_and_left_for_a_person() {
+    let app = spawn_app().await;
+    let (key, _) = pay_once(&app, "twice-1").await;
+    let client = app.keys.store.client();
+    client.delete_item().table_name(app.keys.store.table()).key("pk", pk(&key)).send().await.unwrap();
+    let (_, again) = pay_once(&app, "twice-1").await;
+    assert_eq!(app.count("payments").await, 2, "the retry paid again");
+
+    let report = reconcile(&app, true).await;
+    assert_eq!(classes(&report), [Class::WorkedTwice]);
+    assert_eq!(report.unrepaired(), 1);
+    let first: Vec<Value> = app.e2.statement().await.into_iter().map(|a| json!(a.idempotency_key)).collect();
+    assert_eq!(first.len(), 2, "both reached the rail");
+    assert!(report.table().contains("settle or refund it by hand"), "{}", report.table());
+    let stored = app.keys.store.get(&key).await.unwrap().unwrap();
+    assert_eq!(stored.response.unwrap().body, again, "the key keeps the answer of the request it names");
 }

@@ -1,0 +1,60 @@
+//! Expiry without a table time-to-live (the emulator never reaps, as a
+//! strongly consistent global table would not): `keyfence maintain
+//! --expire` deletes finished keys past their retention and touches
+//! nothing else, neither a key still within it nor one in flight.
+
+use std::time::Duration;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
+use keyfence::keystore::{KeyState, KeyStore};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::app::{TestApp, payment, spawn_app_with};
+use crate::process::keyfence_command;
+
+async fn expire(app: &TestApp, key: &str) {
+    app.keys
+        .store
+        .client()
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", AttributeValue::S(format!("{}#{key}", app.client_id().await)))
+        .update_expression("SET expires_at = :past")
+        .expression_attribute_values(":past", AttributeValue::N((Millis::now().as_secs() - 60).to_string()))
+        .send()
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_deletes_expired_keys_and_nothing_in_flight() {
+    let app = spawn_app_with(|s| s.rail_timeout = Duration::from_millis(300)).await;
+    for key in ["old-1", "old-2", "recent-1"] {
+        assert_eq!(app.pay(key, &payment(&format!("E2E-{key}"))).await.status(), StatusCode::CREATED);
+    }
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    assert_eq!(app.pay("in-flight-1", &payment("E2E-in-flight")).await.status(), StatusCode::ACCEPTED);
+    expire(&app, "old-1").await;
+    expire(&app, "old-2").await;
+
+    let run = keyfence_command(&app, "maintain").args(["--expire", "--json", "--rate", "20"]).output().await.unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let report: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!((report["expired"].as_u64(), report["deleted"].as_u64()), (Some(2), Some(2)), "{report}");
+    assert_eq!(report["keys_scanned"], 4, "the region registry and clients are not keys");
+
+    let client = app.client_id().await;
+    let mut states = Vec::new();
+    for key in ["old-1", "old-2", "recent-1", "in-flight-1"] {
+        let key = ScopedKey::new(client, IdempotencyKey::parse(key).unwrap());
+        states.push(app.keys.store.get(&key).await.unwrap().map(|item| item.state));
+    }
+    assert_eq!(
+        states,
+        [None, None, Some(KeyState::Finished), Some(KeyState::Started)],
+        "expired keys deleted; one within retention and one in flight untouched"
+    );
+    assert_eq!(app.count("payments").await, 4, "the ledger keeps its history");
+}
