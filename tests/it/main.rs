@@ -7,6 +7,8 @@ mod clients;
 #[cfg(feature = "failpoints")]
 mod crash;
 mod declines;
+#[cfg(feature = "failpoints")]
+mod drill;
 mod emulator;
 mod engine_costs;
 mod expiry;
