@@ -11,6 +11,8 @@
 //! `after-call:ext2`, `before-commit:FINISHED`, `after-commit:FINISHED`;
 //! and `before-phase:{point}` (after the lease check, before the phase
 //! begins) for each of the three phases, where a stall makes a zombie.
+//!
+//! The same builds can set the process's clock off ([`clock_offset_ms`]).
 
 /// Marks a boundary; `name` is built only when failpoints are compiled in.
 #[inline]
@@ -25,6 +27,20 @@ pub fn boundary(name: impl FnOnce() -> String) {
     }
     #[cfg(not(feature = "failpoints"))]
     let _ = name;
+}
+
+/// How far this process's clock is set off, in milliseconds: in failpoints
+/// builds, `KEYFENCE_CLOCK_OFFSET_MS` (read once) makes an instance whose
+/// clock is wrong, for the clock-skew tests; otherwise always 0.
+#[inline]
+pub fn clock_offset_ms() -> i64 {
+    #[cfg(feature = "failpoints")]
+    {
+        static OFFSET: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+        *OFFSET.get_or_init(|| std::env::var("KEYFENCE_CLOCK_OFFSET_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+    }
+    #[cfg(not(feature = "failpoints"))]
+    0
 }
 
 /// Reads `FAILPOINTS` from the environment; keep the guard for the process's life.

@@ -485,8 +485,10 @@ async fn declare(args: DeclareArgs, state: RegionState) -> anyhow::Result<()> {
         None => None,
     };
     let by = args.by.clone().unwrap_or_else(|| {
-        let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown".into());
+        let user = std::env::var("USER").or_else(|_| std::env::var("LOGNAME")).unwrap_or_else(|_| "unknown".into());
+        let host = std::env::var("HOSTNAME")
+            .or_else(|_| std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()))
+            .unwrap_or_else(|_| "unknown".into());
         format!("{user}@{host}")
     });
     let changed = regions::declare(&store, ledger.as_ref(), &args.region, state, &by, &args.reason).await?;

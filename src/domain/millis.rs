@@ -14,7 +14,7 @@ impl Millis {
 
     pub fn now() -> Self {
         let since = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-        Self(since.as_millis() as u64)
+        Self((since.as_millis() as i64).saturating_add(crate::failpoint::clock_offset_ms()).max(0) as u64)
     }
 
     pub fn get(self) -> u64 {

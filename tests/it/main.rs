@@ -5,6 +5,8 @@
 mod app;
 mod clients;
 #[cfg(feature = "failpoints")]
+mod clock_skew;
+#[cfg(feature = "failpoints")]
 mod crash;
 mod declines;
 #[cfg(feature = "failpoints")]
