@@ -251,6 +251,7 @@ impl<K: KeyStore> Engine<K> {
     /// resume. The request stays at `sent`: never reported as failed.
     async fn park(&self, attempt: &mut Attempt, ext: &ExternalStep, why: &str) -> Result<Settled, EngineError> {
         tracing::warn!(key = %attempt.record.key, step = ext.name, why, "external outcome unknown; parking the request");
+        self.check_region().await?;
         let fence = attempt.holder.fence;
         let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &attempt.at).await?;
         let attempts = external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, fence).await?;

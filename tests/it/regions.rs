@@ -18,7 +18,7 @@ use keyfence::startup::{REGION_VIEW_AGE, build_engine};
 use reqwest::StatusCode;
 use serde_json::Value;
 
-use crate::app::{TestApp, payment, spawn_app};
+use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
 use crate::reconcile::Quiet;
 
 fn store(app: &TestApp) -> RegionStore {
@@ -240,4 +240,21 @@ async fn every_region_answers_for_the_callers_own_payments() {
     assert_eq!(theirs.status(), StatusCode::NOT_FOUND, "another client's payment is 404 everywhere");
     let nowhere = get(&b.url, &format!("/v1/payments/{}", uuid::Uuid::now_v7()), &app.api_key).await.unwrap();
     assert_eq!(nowhere.status(), StatusCode::NOT_FOUND, "404 once every region said so");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_when_its_region_fails_commits_no_further_phase() {
+    let app = spawn_app_with(|s| (s.rail_timeout, s.rail_attempts) = (Duration::from_secs(3), 1)).await;
+    app.e1.set_faults(serde_json::json!({ "latency_ms": 1500 })).await;
+    let in_flight = app.pay_in_background(&app.url, "mid-flight-1", &payment("E2E-MID-FLIGHT"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The registry only: this region's own instance notices within a second.
+    regions::declare(&store(&app), None, "test-1", RegionState::Failed, "test", "drill").await.unwrap();
+
+    let answer = in_flight.await.unwrap().unwrap();
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json::<Value>().await.unwrap()["type"], "urn:keyfence:problem:region-failed");
+    let point: String =
+        sqlx::query_scalar("SELECT recovery_point FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(point, "EXT1_SENT", "the phase after E1 was not committed");
 }
