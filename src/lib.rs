@@ -20,8 +20,8 @@
 //! - [`http`]: the axum front door; validates input and calls the engine.
 //! - [`recovery`], [`reconcile`], [`expiry`]: the workers beside traffic:
 //!   resuming stale requests, repairing divergence, reaping expired keys.
-//! - [`config`], [`startup`], [`telemetry`], [`bench`]: settings, building
-//!   the service, logs and trace export, load measurement, for the `keyfence` binary.
+//! - [`config`], [`startup`], [`telemetry`], [`metrics`], [`bench`]: settings, building
+//!   the service, logs and trace export, Prometheus metrics, load measurement.
 
 pub mod bench;
 pub mod clients;
@@ -33,6 +33,7 @@ pub mod failpoint;
 pub mod http;
 pub mod keystore;
 pub mod ledger;
+pub mod metrics;
 pub mod rail;
 pub mod reconcile;
 pub mod recovery;

@@ -395,8 +395,8 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let floor = bench::front_door::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
         ledger,
-        e1: RailClient::new(&s.e1_url, s.rail_timeout, s.rail_attempts),
-        e2: RailClient::new(&s.e2_url, s.rail_timeout, s.rail_attempts),
+        e1: RailClient::new("screening", &s.e1_url, s.rail_timeout, s.rail_attempts),
+        e2: RailClient::new("payment", &s.e2_url, s.rail_timeout, s.rail_attempts),
     };
     let plan = bench::front_door::BenchPlan {
         url: args.url.clone(),

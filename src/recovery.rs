@@ -88,15 +88,32 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
         .inspect(|_| tick())
         .collect()
         .await;
+    metrics::counter!("keyfence_recovery_sweeps_total").increment(1);
     for (stale, outcome) in outcomes {
-        match outcome {
-            Ok(Recovery::Resumed(Answer::Final { .. })) => report.finished += 1,
-            Ok(Recovery::Resumed(Answer::Pending { .. })) => report.pending += 1,
+        let counted = match outcome {
+            Ok(Recovery::Resumed(Answer::Final { .. })) => {
+                report.finished += 1;
+                "finished"
+            }
+            Ok(Recovery::Resumed(Answer::Pending { .. })) => {
+                report.pending += 1;
+                "pending"
+            }
             Ok(Recovery::Resumed(Answer::InFlight { .. } | Answer::Mismatch) | Recovery::Lost)
-            | Err(EngineError::FencedOut) => report.lost += 1,
-            Ok(Recovery::NotHome) => report.other_region += 1,
-            Err(e) => report.failed.push(Failure { key: stale.key.to_string(), error: e.to_string() }),
-        }
+            | Err(EngineError::FencedOut) => {
+                report.lost += 1;
+                "lost"
+            }
+            Ok(Recovery::NotHome) => {
+                report.other_region += 1;
+                "other_region"
+            }
+            Err(e) => {
+                report.failed.push(Failure { key: stale.key.to_string(), error: e.to_string() });
+                "failed"
+            }
+        };
+        metrics::counter!("keyfence_recovery_outcomes_total", "outcome" => counted).increment(1);
     }
     match engine.ledger().indeterminate().await {
         Ok(list) => report.indeterminate = list,

@@ -73,8 +73,8 @@ pub async fn build_engine(settings: &ServeSettings) -> Result<Engine<DynamoKeySt
     let keys = DynamoKeyStore::new(client, settings.keys.table.clone());
     let ledger = Ledger::connect(&settings.ledger).await?;
     let rails = Rails {
-        screening: RailClient::new(&settings.e1_url, settings.rail_timeout, settings.rail_attempts),
-        payment: RailClient::new(&settings.e2_url, settings.rail_timeout, settings.rail_attempts),
+        screening: RailClient::new("screening", &settings.e1_url, settings.rail_timeout, settings.rail_attempts),
+        payment: RailClient::new("payment", &settings.e2_url, settings.rail_timeout, settings.rail_attempts),
     };
     let engine_settings = EngineSettings {
         region: settings.region.clone(),
@@ -105,6 +105,7 @@ impl Application {
         if !conflicts.is_empty() {
             return Err(StartupError::Settings(conflicts));
         }
+        crate::metrics::install();
         let engine = Arc::new(build_engine(settings).await?);
         let clients = Directory::new(ClientStore::new(engine.keys().client().clone(), settings.keys.table.clone()));
         let state =

@@ -102,8 +102,8 @@ async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -
         keys.clone(),
         ledger.clone(),
         Rails {
-            screening: RailClient::new(&e1, Duration::from_secs(2), 3),
-            payment: RailClient::new(&e2, Duration::from_secs(2), 3),
+            screening: RailClient::new("screening", &e1, Duration::from_secs(2), 3),
+            payment: RailClient::new("payment", &e2, Duration::from_secs(2), 3),
         },
         RegionView::new(RegionStore::new(client.clone(), keys_settings.table.clone()), REGION_VIEW_AGE),
         EngineSettings {

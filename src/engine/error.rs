@@ -25,7 +25,11 @@ pub enum EngineError {
 impl From<KeyStoreError> for EngineError {
     fn from(e: KeyStoreError) -> Self {
         match e {
-            KeyStoreError::Taken(_) | KeyStoreError::FencedOut(_) => EngineError::FencedOut,
+            KeyStoreError::Taken(_) => EngineError::FencedOut,
+            KeyStoreError::FencedOut(_) => {
+                metrics::counter!("keyfence_fenced_out_total", "store" => "key_store").increment(1);
+                EngineError::FencedOut
+            }
             KeyStoreError::Throttled(_) | KeyStoreError::Unavailable(_) => EngineError::Transient(e.to_string()),
             KeyStoreError::Fault(_) => EngineError::Fault(e.to_string()),
         }
@@ -46,7 +50,10 @@ impl From<LedgerError> for EngineError {
         match e {
             // A phase that cannot start where it expects has a newer owner
             // (or already ran): either way this attempt must stop.
-            LedgerError::FencedOut { .. } | LedgerError::OutOfOrder { .. } => EngineError::FencedOut,
+            LedgerError::FencedOut { .. } | LedgerError::OutOfOrder { .. } => {
+                metrics::counter!("keyfence_fenced_out_total", "store" => "ledger").increment(1);
+                EngineError::FencedOut
+            }
             LedgerError::RegionFailed(region) => EngineError::RegionFailed(region),
             _ if e.is_transient() => EngineError::Transient(e.to_string()),
             _ => EngineError::Fault(e.to_string()),

@@ -34,16 +34,20 @@ impl<K: KeyStore> Engine<K> {
     ) -> Result<Recovery, EngineError> {
         self.check_region().await?;
         let now = Millis::now();
-        let taken = if stale.home_region == self.settings.region {
+        let (taken, by) = if stale.home_region == self.settings.region {
             let owner = Owner::attempt_of(&self.settings.instance);
-            self.keys.take_over(&stale.key, stale.fence, &owner, Lease { now, length: self.settings.lease }).await
+            let lease = Lease { now, length: self.settings.lease };
+            (self.keys.take_over(&stale.key, stale.fence, &owner, lease).await, "worker")
         } else if self.regions.fresh().await?.is_failed(&stale.home_region) {
-            self.fail_over(&stale.key, stale.fence, &stale.home_region, now).await
+            (self.fail_over(&stale.key, stale.fence, &stale.home_region, now).await, "failover")
         } else {
             return Ok(Recovery::NotHome);
         };
         let item = match taken {
-            Ok(item) => item,
+            Ok(item) => {
+                metrics::counter!("keyfence_takeovers_total", "by" => by).increment(1);
+                item
+            }
             Err(KeyStoreError::Taken(_)) => return Ok(Recovery::Lost),
             Err(e) => return Err(e.into()),
         };

@@ -198,6 +198,7 @@ impl<K: KeyStore> Engine<K> {
                     let Some(Verdict::Declined(declined)) = outcome else { return Err(missing()) };
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     let answer = op.declined(ext, declined, &mut cx).await?;
+                    metrics::counter!("keyfence_declines_total", "step" => ext.name).increment(1);
                     phase.store_answer(&attempt.record, attempt.known_answer.as_ref().unwrap_or(&answer)).await?;
                 }
             }
@@ -255,7 +256,9 @@ impl<K: KeyStore> Engine<K> {
         let fence = attempt.holder.fence;
         let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &attempt.at).await?;
         let attempts = external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, fence).await?;
+        metrics::counter!("keyfence_unknown_outcomes_total", "step" => ext.name).increment(1);
         if attempts >= self.settings.max_unknown_attempts {
+            metrics::counter!("keyfence_indeterminate_total", "step" => ext.name).increment(1);
             tracing::warn!(key = %attempt.record.key, step = ext.name, attempts, "outcome indeterminate; listed for settlement");
             external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, fence).await?;
         }
@@ -292,6 +295,8 @@ impl<K: KeyStore> Engine<K> {
     pub(super) async fn hand_back(&self, attempt: &Attempt) {
         let untouched = attempt.fresh && attempt.at == RecoveryPoint::STARTED && !attempt.commit_attempted;
         let how = if untouched { Release::Forget } else { Release::Reopen };
+        let label = if untouched { "forget" } else { "reopen" };
+        metrics::counter!("keyfence_hand_backs_total", "how" => label).increment(1);
         if let Err(e) = self.keys.release(&attempt.record.key, &attempt.holder, how).await {
             tracing::warn!(key = %attempt.record.key, error = %e, "could not hand the key back; its lease will expire");
         }

@@ -43,7 +43,10 @@ impl<K: KeyStore> Engine<K> {
             home_region: self.settings.region.clone(),
             lease: Lease { now, length: self.settings.lease },
         };
-        match self.keys.claim(&claim).await {
+        let claimed = self.keys.claim(&claim).await;
+        let outcome = if claimed.is_ok() { "won" } else { "existing" };
+        metrics::counter!("keyfence_claims_total", "outcome" => outcome).increment(1);
+        match claimed {
             Ok(item) => {
                 failpoint::boundary(|| "after-claim".to_owned());
                 let mut attempt = Attempt::new(&item, submission.operation.name(), RecoveryPoint::STARTED, true);
@@ -75,12 +78,12 @@ impl<K: KeyStore> Engine<K> {
             return Ok(Answer::Final { response, replayed: true });
         }
         let in_flight = Answer::InFlight { retry_after: retry_after(existing, now) };
-        let item = if existing.home_region != self.settings.region {
+        let (item, by) = if existing.home_region != self.settings.region {
             if !self.regions.fresh().await?.is_failed(&existing.home_region) {
                 return Ok(in_flight);
             }
             match self.fail_over(&existing.key, existing.fence, &existing.home_region, now).await {
-                Ok(item) => item,
+                Ok(item) => (item, "failover"),
                 Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
                 Err(e) => return Err(e.into()),
             }
@@ -91,11 +94,12 @@ impl<K: KeyStore> Engine<K> {
             let owner = Owner::attempt_of(&self.settings.instance);
             let lease = Lease { now, length: self.settings.lease };
             match self.keys.take_over(&existing.key, existing.fence, &owner, lease).await {
-                Ok(item) => item,
+                Ok(item) => (item, "retry"),
                 Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
                 Err(e) => return Err(e.into()),
             }
         };
+        metrics::counter!("keyfence_takeovers_total", "by" => by).increment(1);
         tracing::info!(key = %item.key, fence = %item.fence, "a retry took over a request");
         self.resume(op, &item).await
     }

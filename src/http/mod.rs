@@ -14,7 +14,10 @@ pub mod server;
 
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use tower_http::trace::TraceLayer;
@@ -45,6 +48,49 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok", "region": region, "region_state": registry.state_of(region).as_str() }))
 }
 
+/// Ready for traffic: the key table and the ledger answer, and this region
+/// is not declared failed. 503 with the reasons otherwise.
+async fn ready(State(state): State<AppState>) -> Response {
+    let region = state.engine.region();
+    let (registry, ledger) = tokio::join!(state.engine.regions().fresh(), state.engine.ledger().ping());
+    let key_table = registry.as_ref().map(|_| "ok".to_owned()).unwrap_or_else(|e| e.to_string());
+    let region_state = registry.as_ref().map_or("unknown", |r| r.state_of(region).as_str());
+    let ledger = ledger.map(|()| "ok".to_owned()).unwrap_or_else(|e| e.to_string());
+    let ready = key_table == "ok" && ledger == "ok" && region_state == "active";
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = serde_json::json!({ "ready": ready, "region": region, "region_state": region_state,
+                                   "key_table": key_table, "ledger": ledger });
+    (status, Json(body)).into_response()
+}
+
+/// Counts every answer by route and class (labels from fixed sets only).
+async fn count_answers(request: Request, next: Next) -> Response {
+    let route = match (request.method().as_str(), request.extensions().get::<MatchedPath>().map(MatchedPath::as_str)) {
+        ("POST", Some("/v1/payments")) => "create_payment",
+        ("GET", Some("/v1/payments")) => "list_payments",
+        (_, Some("/v1/payments/{id}")) => "get_payment",
+        (_, Some("/v1/idempotency-keys/{key}")) => "get_key",
+        (_, Some("/healthz" | "/readyz" | "/metrics")) => return next.run(request).await,
+        _ => "other",
+    };
+    let response = next.run(request).await;
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let answer = match response.status().as_u16() {
+        201 if replayed => "replayed",
+        201 => "created",
+        202 => "pending",
+        402 => "declined",
+        409 => "in_flight",
+        422 => "mismatch",
+        200..=299 => "ok",
+        503 => "unavailable",
+        400..=499 => "client_error",
+        _ => "server_error",
+    };
+    metrics::counter!("keyfence_http_requests_total", "route" => route, "answer" => answer).increment(1);
+    response
+}
+
 /// The service's routes.
 pub fn router(state: AppState) -> Router {
     Router::new()
@@ -52,8 +98,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/payments/{id}", get(payments::show))
         .route("/v1/idempotency-keys/{key}", get(keys::show))
         .route("/healthz", get(health))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(|| async { crate::metrics::render() }))
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(axum::middleware::from_fn(count_answers))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), extract::refuse_oversized))
         .layer(TraceLayer::new_for_http())

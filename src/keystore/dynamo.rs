@@ -27,6 +27,7 @@ use super::{
 };
 use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
+use crate::metrics::Timer;
 
 type Attrs = HashMap<String, AttributeValue>;
 
@@ -135,6 +136,7 @@ const HELD_BY_ME: &str = "#fence = :mine AND #owner = :me AND #state = :started"
 impl KeyStore for DynamoKeyStore {
     #[tracing::instrument(skip_all, fields(pk = %claim.key))]
     async fn claim(&self, claim: &Claim) -> Result<KeyItem, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "claim")]);
         let item = KeyItem::claimed(claim);
         let sent = self
             .client
@@ -171,6 +173,7 @@ impl KeyStore for DynamoKeyStore {
         owner: &Owner,
         lease: Lease,
     ) -> Result<KeyItem, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "take_over")]);
         let sent = self
             .client
             .update_item()
@@ -212,6 +215,7 @@ impl KeyStore for DynamoKeyStore {
         from: &str,
         to: &str,
     ) -> Result<KeyItem, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "fail_over")]);
         let sent = self
             .client
             .update_item()
@@ -249,6 +253,7 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
     async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "heartbeat")]);
         let sent = self
             .client
             .update_item()
@@ -269,6 +274,7 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
     async fn finish(&self, key: &ScopedKey, holder: &Holder, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "finish")]);
         let mut values = held_by(holder, [(":finished", s(KeyState::Finished.as_str()))]);
         values.insert(":expires".into(), n(finish.expires_at.as_secs()));
         values.extend(encode_response(&finish.response).into_iter().map(|(name, value)| (format!(":{name}"), value)));
@@ -310,6 +316,7 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence, how = ?how))]
     async fn release(&self, key: &ScopedKey, holder: &Holder, how: Release) -> Result<(), KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "release")]);
         let how = if holder.fence == Fence::FIRST { how } else { Release::Reopen };
         let sent = match how {
             Release::Forget => self
@@ -352,6 +359,7 @@ impl KeyStore for DynamoKeyStore {
     }
     #[tracing::instrument(skip_all, fields(pk = %key))]
     async fn delete_expired(&self, key: &ScopedKey, now: Millis) -> Result<bool, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "delete_expired")]);
         let sent = self
             .client
             .delete_item()
@@ -372,6 +380,7 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip_all, fields(pk = %key))]
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "get")]);
         let out = self
             .client
             .get_item()
@@ -386,6 +395,7 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip_all, fields(pk = %item.key))]
     async fn restore(&self, item: &KeyItem) -> Result<(), KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "restore")]);
         let sent = self
             .client
             .put_item()
@@ -411,6 +421,7 @@ impl KeyStore for DynamoKeyStore {
         total: u32,
         cursor: Option<String>,
     ) -> Result<(Vec<KeyItem>, Option<String>), KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "scan")]);
         let start = cursor.map(|pk| HashMap::from([(attr::PK.to_owned(), s(pk))]));
         let page = self
             .client
@@ -436,6 +447,7 @@ impl KeyStore for DynamoKeyStore {
 
     #[tracing::instrument(skip(self))]
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "stale_in_flight")]);
         let mut stale = Vec::new();
         let mut start = None;
         loop {

@@ -74,6 +74,12 @@ impl Ledger {
         &self.pool
     }
 
+    /// One round trip: the ledger answers.
+    pub async fn ping(&self) -> Result<(), LedgerError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
     async fn applied_versions(&self) -> Result<Vec<i64>, LedgerError> {
         let exists: bool =
             sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&self.pool).await?;

@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
+use crate::metrics::Timer;
 
 /// Identifies a request in the ledger and carries what its first write needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +41,8 @@ pub struct Phase {
     tx: Transaction<'static, Postgres>,
     fence: Fence,
     to: RecoveryPoint,
+    /// Times the phase from its first statement to its commit (or rollback).
+    _timer: Timer,
 }
 
 impl Phase {
@@ -186,6 +189,7 @@ impl Ledger {
         from: &RecoveryPoint,
         to: &RecoveryPoint,
     ) -> Result<Phase, LedgerError> {
+        let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
         let mut tx = self.pool.begin().await?;
         let fenced: Option<(bool, Option<String>)> =
             sqlx::query_as("SELECT failed, region FROM region_fence FOR SHARE").fetch_optional(&mut *tx).await?;
@@ -211,7 +215,7 @@ impl Ledger {
             .await?
         };
         match moved {
-            Some(_) => Ok(Phase { tx, fence, to: to.clone() }),
+            Some(_) => Ok(Phase { tx, fence, to: to.clone(), _timer: timer }),
             None => Err(refusal(&mut tx, request, fence, from).await?),
         }
     }

@@ -20,6 +20,7 @@ use backon::{ExponentialBuilder, Retryable};
 use reqwest::StatusCode;
 
 use super::{Applied, Declined, Instruction, Verdict};
+use crate::metrics::Timer;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallOutcome {
@@ -41,6 +42,8 @@ pub enum ProbeOutcome {
 #[derive(Clone, Debug)]
 pub struct RailClient {
     http: reqwest::Client,
+    /// Names the system in metrics (`screening`, `payment`).
+    name: &'static str,
     base: String,
     /// Attempts per send: a definite "not applied" is retried inline, each
     /// time with the same key, so a retry can never be a second instruction.
@@ -52,13 +55,13 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
 impl RailClient {
     /// A client whose every attempt is cut off after `timeout`.
-    pub fn new(base: &str, timeout: Duration, attempts: u32) -> Self {
+    pub fn new(name: &'static str, base: &str, timeout: Duration, attempts: u32) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
             .build()
             .expect("an HTTP client with default TLS settings");
-        Self { http, base: base.trim_end_matches('/').to_owned(), attempts: attempts.max(1) }
+        Self { http, name, base: base.trim_end_matches('/').to_owned(), attempts: attempts.max(1) }
     }
 
     /// The longest one send can take: every attempt timing out, plus the
@@ -73,6 +76,7 @@ impl RailClient {
     /// backoff; a verdict or an unknown outcome is returned at once.
     #[tracing::instrument(skip(self, instruction), fields(rail = %self.base))]
     pub async fn send(&self, key: &str, instruction: &Instruction) -> CallOutcome {
+        let _timer = Timer::start("keyfence_rail_seconds", &[("rail", self.name), ("call", "send")]);
         let attempt = || async {
             match self.send_once(key, instruction).await {
                 CallOutcome::NotApplied(why) => Err(why),
@@ -115,6 +119,7 @@ impl RailClient {
     /// Asks what became of the instruction sent under `key`.
     #[tracing::instrument(skip(self), fields(rail = %self.base))]
     pub async fn probe(&self, key: &str) -> ProbeOutcome {
+        let _timer = Timer::start("keyfence_rail_seconds", &[("rail", self.name), ("call", "probe")]);
         let response = match self.http.get(format!("{}/v1/instructions/{key}", self.base)).send().await {
             Ok(r) => r,
             Err(e) => return ProbeOutcome::Unknown(e.to_string()),

@@ -105,8 +105,8 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_one_round_trip() {
     let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
     let counting = Counting { inner: keys.store.clone(), calls: Mutex::default() };
     let rails = Rails {
-        screening: RailClient::new(&e1.url, Duration::from_secs(2), 3),
-        payment: RailClient::new(&e2.url, Duration::from_secs(2), 3),
+        screening: RailClient::new("screening", &e1.url, Duration::from_secs(2), 3),
+        payment: RailClient::new("payment", &e2.url, Duration::from_secs(2), 3),
     };
     let settings = EngineSettings {
         region: "test-1".into(),

@@ -24,6 +24,8 @@ mod keystore_model;
 mod keystore_races;
 mod ledger_phases;
 mod lost_replies;
+#[cfg(feature = "failpoints")]
+mod metrics;
 mod process;
 mod protocol_model;
 mod proxy;
