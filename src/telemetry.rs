@@ -1,15 +1,22 @@
-//! Logging and tracing. Events go to stderr as text, filtered by `RUST_LOG`
-//! (default `info`, sqlx notices at `warn`), so stdout stays free for a
-//! command's own output. When `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+//! Logging and tracing. Events go to stderr, filtered by `RUST_LOG`
+//! (default `info`, sqlx notices at `warn`), as text or, with
+//! `KEYFENCE_LOG_FORMAT=json`, one JSON object per line; stdout stays free
+//! for a command's own output. No event carries an API key, an account
+//! number or a request body. When `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, the same spans are also
 //! exported in batches over OTLP/HTTP (protobuf) as service `keyfence`
 //! (`OTEL_SERVICE_NAME` overrides it); the standard `OTEL_*` variables tune
-//! the exporter and the batches.
+//! the exporter and the batches. Traces then run across systems (W3C Trace
+//! Context): a request's `traceparent` is the parent of its spans, and calls
+//! to the rails carry the current one.
 
+use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{SpanExporter, WithExportConfig as _};
 use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
@@ -25,13 +32,54 @@ pub struct Telemetry {
 pub fn init() -> anyhow::Result<Telemetry> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
     let provider = ENDPOINT_VARIABLES.iter().any(|v| std::env::var_os(v).is_some()).then(exporting).transpose()?;
+    if provider.is_some() {
+        opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    }
     let export = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("keyfence")));
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
-        .with(export)
-        .init();
+    let json = std::env::var("KEYFENCE_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let text = (!json).then(|| tracing_subscriber::fmt::layer().with_writer(std::io::stderr));
+    let json = json.then(|| tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr));
+    tracing_subscriber::registry().with(filter).with(text).with(json).with(export).init();
     Ok(Telemetry { provider })
+}
+
+/// The span of an incoming request, child of the caller's `traceparent`
+/// when it sent one (and traces are exported).
+pub fn request_span<B>(request: &axum::http::Request<B>) -> tracing::Span {
+    let span = tracing::info_span!("request", method = %request.method(), path = %request.uri().path());
+    let parent = opentelemetry::global::get_text_map_propagator(|p| p.extract(&Headers(request.headers())));
+    // Without a tracing layer for OpenTelemetry there is nothing to attach to.
+    let _ = span.set_parent(parent);
+    span
+}
+
+/// Adds the current span's `traceparent` to an outgoing request's headers.
+pub fn inject_trace_context(headers: &mut axum::http::HeaderMap) {
+    let context = tracing::Span::current().context();
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&context, &mut HeadersMut(headers)));
+}
+
+struct Headers<'a>(&'a axum::http::HeaderMap);
+
+impl Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(axum::http::HeaderName::as_str).collect()
+    }
+}
+
+struct HeadersMut<'a>(&'a mut axum::http::HeaderMap);
+
+impl Injector for HeadersMut<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (axum::http::HeaderName::try_from(key), axum::http::HeaderValue::try_from(value))
+        {
+            self.0.insert(name, value);
+        }
+    }
 }
 
 /// A tracer provider that batches spans to the OTLP endpoint.

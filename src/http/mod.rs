@@ -105,6 +105,6 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn(count_answers))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), extract::refuse_oversized))
-        .layer(TraceLayer::new_for_http())
+        .layer(TraceLayer::new_for_http().make_span_with(crate::telemetry::request_span))
         .with_state(state)
 }

@@ -94,6 +94,7 @@ impl RailClient {
         let sent = self
             .http
             .post(format!("{}/v1/instructions", self.base))
+            .headers(trace_context())
             .header("Idempotency-Key", key)
             .json(instruction)
             .send()
@@ -120,7 +121,8 @@ impl RailClient {
     #[tracing::instrument(skip(self), fields(rail = %self.base))]
     pub async fn probe(&self, key: &str) -> ProbeOutcome {
         let _timer = Timer::start("keyfence_rail_seconds", &[("rail", self.name), ("call", "probe")]);
-        let response = match self.http.get(format!("{}/v1/instructions/{key}", self.base)).send().await {
+        let probe = self.http.get(format!("{}/v1/instructions/{key}", self.base)).headers(trace_context());
+        let response = match probe.send().await {
             Ok(r) => r,
             Err(e) => return ProbeOutcome::Unknown(e.to_string()),
         };
@@ -132,6 +134,13 @@ impl RailClient {
             Err(why) => ProbeOutcome::Unknown(why),
         }
     }
+}
+
+/// The current trace, for the external system (W3C `traceparent`).
+fn trace_context() -> reqwest::header::HeaderMap {
+    let mut headers = reqwest::header::HeaderMap::new();
+    crate::telemetry::inject_trace_context(&mut headers);
+    headers
 }
 
 /// The definite answers: 200/201 with what was applied, 402 with why it was

@@ -176,6 +176,11 @@ impl Simulator {
     }
 }
 
+/// The trace id of the caller's W3C `traceparent`, or "-" without one.
+fn trace_id(headers: &HeaderMap) -> &str {
+    headers.get("traceparent").and_then(|v| v.to_str().ok()).and_then(|t| t.split('-').nth(1)).unwrap_or("-")
+}
+
 /// A verdict as the rail answers it: 201/200 applied, 402 declined.
 fn answer(verdict: Verdict, fresh: bool) -> Response {
     match verdict {
@@ -207,6 +212,7 @@ async fn instruct(
     let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).filter(|k| !k.is_empty()) else {
         return (StatusCode::BAD_REQUEST, "Idempotency-Key is required").into_response();
     };
+    tracing::info!(rail = %sim.name, key, trace_id = trace_id(&headers), "instruction received");
     let faults = sim.faults();
     tokio::time::sleep(Duration::from_millis(faults.latency_ms)).await;
     if fastrand::f64() < faults.error_rate {
@@ -228,7 +234,8 @@ async fn instruct(
     }
 }
 
-async fn probe(State(sim): State<Arc<Simulator>>, Path(key): Path<String>) -> Response {
+async fn probe(State(sim): State<Arc<Simulator>>, headers: HeaderMap, Path(key): Path<String>) -> Response {
+    tracing::info!(rail = %sim.name, key, trace_id = trace_id(&headers), "probe received");
     tokio::time::sleep(Duration::from_millis(sim.faults().latency_ms)).await;
     let found = {
         let book = sim.book();

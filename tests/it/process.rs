@@ -39,6 +39,16 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
     command
 }
 
+/// Every line a process wrote to stderr, so far.
+#[derive(Clone, Default)]
+pub struct Logs(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Logs {
+    pub fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
 pub struct ServeProcess {
     child: Child,
     pub url: String,
@@ -58,17 +68,35 @@ impl ServeProcess {
         Self::spawn(command).await
     }
 
+    /// Starts `command` (a `keyfence serve` or `rail-sim`), keeping every
+    /// line it logs, and waits until it listens.
+    pub async fn spawn_logged(mut command: Command) -> (Self, Logs) {
+        let logs = Logs::default();
+        let mut child = command.stderr(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawning keyfence");
+        let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
+        let kept = logs.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                kept.0.lock().unwrap().push(line);
+            }
+        });
+        (Self::listening(child).await, logs)
+    }
+
     /// Starts `command` (a `keyfence serve`) and waits until it listens.
     pub async fn spawn(mut command: Command) -> Self {
-        let mut child = command.stdout(Stdio::piped()).spawn().expect("spawning keyfence serve");
+        Self::listening(command.stdout(Stdio::piped()).spawn().expect("spawning keyfence serve")).await
+    }
+
+    async fn listening(mut child: Child) -> Self {
         let stdout = child.stdout.take().expect("piped stdout");
         let mut lines = BufReader::new(stdout).lines();
         let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
             .await
             .expect("keyfence serve started within 30 s")
             .expect("reading its stdout")
-            .expect("keyfence serve printed where it listens");
-        let url = first.strip_prefix("keyfence: listening on ").expect("the listening line").to_owned();
+            .expect("keyfence printed where it listens");
+        let url = first.split_once("listening on ").expect("the listening line").1.to_owned();
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Self { child, url }

@@ -66,3 +66,85 @@ async fn spans_of_a_payment_reach_the_otlp_collector_by_the_time_serve_stops() {
         assert!(contains(&exported, expected), "no {expected:?} in the exported spans");
     }
 }
+
+/// A trace runs client → keyfence → rail: the caller's `traceparent` is the
+/// parent of the exported spans, and the rail receives the trace (the
+/// simulator logs the trace id it was sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_trace_runs_through_keyfence_to_the_rail() {
+    let app = spawn_app().await;
+    let received = Received::default();
+    let endpoint = collector(received.clone()).await;
+    let mut rail = tokio::process::Command::new(env!("CARGO_BIN_EXE_keyfence"));
+    rail.args(["rail-sim", "--listen", "127.0.0.1:0", "--name", "e2"]).env("RUST_LOG", "info").kill_on_drop(true);
+    let (rail, rail_logs) = ServeProcess::spawn_logged(rail).await;
+    let mut command = keyfence_command(&app, "serve");
+    command
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("KEYFENCE_E2_URL", &rail.url)
+        .env("KEYFENCE_RECOVERY_INTERVAL_MS", "0")
+        .env("RUST_LOG", "info,sqlx=warn");
+    let mut serve = ServeProcess::spawn(command).await;
+
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let created = app
+        .http
+        .post(format!("{}/v1/payments", serve.url))
+        .bearer_auth(&app.api_key)
+        .header("Idempotency-Key", "traced-2")
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .json(&payment("E2E-TRACED-2"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), Status::CREATED);
+    assert!(serve.terminate().await.success());
+
+    let exported: Vec<u8> = received.lock().unwrap().iter().flat_map(|(_, _, body)| body.clone()).collect();
+    let raw_id = hex::decode(trace_id).unwrap();
+    assert!(exported.windows(raw_id.len()).any(|w| w == raw_id), "the exported spans carry the caller's trace id");
+    let logged = rail_logs.lines();
+    assert!(
+        logged.iter().any(|line| line.contains("instruction received") && line.contains(trace_id)),
+        "the rail received the trace: {logged:?}"
+    );
+}
+
+/// With `KEYFENCE_LOG_FORMAT=json` every line is one JSON object, and no
+/// line, whatever happened, holds an API key, an account number or a body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_are_json_lines_without_secrets_accounts_or_bodies() {
+    let app = spawn_app().await;
+    let mut command = keyfence_command(&app, "serve");
+    command.env("KEYFENCE_LOG_FORMAT", "json").env("RUST_LOG", "debug,sqlx=warn,aws=info,hyper=info,h2=info");
+    let (mut serve, logs) = ServeProcess::spawn_logged(command).await;
+
+    let body = payment("E2E-LOGGED");
+    let paid = app.try_pay_at(&serve.url, &app.api_key, "logged-1", &body).await.unwrap();
+    assert_eq!(paid.status(), Status::CREATED);
+    app.try_pay_at(&serve.url, &app.api_key, "logged-1", &body).await.unwrap();
+    let mut other = body.clone();
+    other["amount_minor"] = 99.into();
+    app.try_pay_at(&serve.url, &app.api_key, "logged-1", &other).await.unwrap();
+    app.e2.set_rules(serde_json::json!({ "max_amount_minor": 100 })).await;
+    app.try_pay_at(&serve.url, &app.api_key, "logged-2", &body).await.unwrap();
+    app.try_pay_at(&serve.url, "kf_not_a_key", "logged-3", &body).await.unwrap();
+    assert!(serve.terminate().await.success());
+
+    let lines = logs.lines();
+    assert!(lines.len() > 5, "something was logged: {lines:?}");
+    let secrets = [
+        app.api_key.as_str(),
+        body["debtor_account"].as_str().unwrap(),
+        body["creditor_account"].as_str().unwrap(),
+        "kf_not_a_key",
+        "invoice 42",
+    ];
+    for line in &lines {
+        let event: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(event.get("level").is_some() && event.get("timestamp").is_some(), "{line}");
+        for secret in secrets {
+            assert!(!line.contains(secret), "a log line holds {secret:?}: {line}");
+        }
+    }
+}
