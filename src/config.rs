@@ -1,4 +1,6 @@
-//! Settings shared by every subcommand, each read from a flag, else from the
+//! Settings, in groups each subcommand takes as it needs them (the key
+//! store, the ledger, the rails, the protocol, and the front door around
+//! them for `serve`), each read from a flag, else from the
 //! environment (the standard `AWS_ENDPOINT_URL`, `AWS_REGION` and
 //! `DATABASE_URL`, plus `KEYFENCE_*`), else a default that suits the local
 //! stack. Values are validated when parsed, so a bad setting stops start-up
@@ -152,36 +154,15 @@ mod tests {
     }
 }
 
-/// Everything `keyfence serve` needs.
+/// The external systems and how each is called.
 #[derive(Args, Clone, Debug)]
-pub struct ServeSettings {
-    #[command(flatten)]
-    pub keys: KeyStoreSettings,
-    #[command(flatten)]
-    pub ledger: LedgerSettings,
-    /// Address to listen on.
-    #[arg(long, env = "KEYFENCE_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: std::net::SocketAddr,
-    /// The region this instance serves; requests first claimed elsewhere are replayed, not worked.
-    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
-    pub region: String,
-    /// Where clients and other regions reach this region's front door (its load
-    /// balancer); advertised in the key table so other regions can ask it for
-    /// what only it holds. Default: http:// and the address `serve` listens on.
-    #[arg(long = "public-url", env = "KEYFENCE_PUBLIC_URL")]
-    pub public_url: Option<String>,
-    /// Names this instance in the leases it holds.
-    #[arg(long, env = "KEYFENCE_INSTANCE", default_value_t = default_instance())]
-    pub instance: String,
+pub struct RailSettings {
     /// Base URL of E1, the screening system.
     #[arg(long = "e1-url", env = "KEYFENCE_E1_URL", default_value = "http://127.0.0.1:9001")]
     pub e1_url: String,
     /// Base URL of E2, the payment rail.
     #[arg(long = "e2-url", env = "KEYFENCE_E2_URL", default_value = "http://127.0.0.1:9002")]
     pub e2_url: String,
-    /// Lease length in milliseconds: how long a silent owner keeps a request.
-    #[arg(long = "lease-ms", env = "KEYFENCE_LEASE_MS", default_value = "10000", value_parser = parse_millis)]
-    pub lease: Duration,
     /// Time limit of one attempt at an external system, in milliseconds.
     #[arg(long = "rail-timeout-ms", env = "KEYFENCE_RAIL_TIMEOUT_MS", default_value = "1000", value_parser = parse_millis)]
     pub rail_timeout: Duration,
@@ -189,6 +170,83 @@ pub struct ServeSettings {
     #[arg(long = "rail-attempts", env = "KEYFENCE_RAIL_ATTEMPTS", default_value_t = 3,
           value_parser = clap::value_parser!(u32).range(1..=10))]
     pub rail_attempts: u32,
+}
+
+/// How this instance takes part in the protocol.
+#[derive(Args, Clone, Debug)]
+pub struct WorkSettings {
+    /// The region this instance works in; requests first claimed elsewhere are replayed, not worked.
+    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
+    pub region: String,
+    /// Names this instance in the leases it holds.
+    #[arg(long, env = "KEYFENCE_INSTANCE", default_value_t = default_instance())]
+    pub instance: String,
+    /// Lease length in milliseconds: how long a silent owner keeps a request.
+    #[arg(long = "lease-ms", env = "KEYFENCE_LEASE_MS", default_value = "10000", value_parser = parse_millis)]
+    pub lease: Duration,
+    /// Attempts with an unknown external outcome before a request is marked indeterminate.
+    #[arg(long = "max-unknown-attempts", env = "KEYFENCE_MAX_UNKNOWN_ATTEMPTS", default_value_t = 5,
+          value_parser = clap::value_parser!(i32).range(1..))]
+    pub max_unknown_attempts: i32,
+    /// How long finished keys are kept (and replayed), in hours.
+    #[arg(long = "retention-hours", env = "KEYFENCE_RETENTION_HOURS", default_value_t = 72,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub retention_hours: u64,
+}
+
+/// What the engine works with: both stores, the rails, and how this
+/// instance takes part (what `recover` and `reconcile` need, and `serve`).
+#[derive(Args, Clone, Debug)]
+pub struct EngineConfig {
+    #[command(flatten)]
+    pub keys: KeyStoreSettings,
+    #[command(flatten)]
+    pub ledger: LedgerSettings,
+    #[command(flatten)]
+    pub rails: RailSettings,
+    #[command(flatten)]
+    pub work: WorkSettings,
+}
+
+impl EngineConfig {
+    /// What makes these settings unable to work together, if anything. An
+    /// owner checks its lease before each external call and renews it once
+    /// a third is gone, so the longest call (every attempt timing out) must
+    /// fit in a third of the lease; otherwise the lease can run out while a
+    /// call is in flight and a second owner would start beside the first.
+    pub fn conflicts(&self) -> Vec<String> {
+        let (rails, lease) = (&self.rails, self.work.lease);
+        let longest = RailClient::longest_call(rails.rail_timeout, rails.rail_attempts);
+        let mut conflicts = Vec::new();
+        if longest * 3 > lease {
+            conflicts.push(format!(
+                "a call to a rail can take {} ms ({} attempts of KEYFENCE_RAIL_TIMEOUT_MS={} with backoff), more than a \
+                 third of KEYFENCE_LEASE_MS={}: raise the lease to at least {} ms, or lower the rail timeout or attempts",
+                longest.as_millis(),
+                rails.rail_attempts,
+                rails.rail_timeout.as_millis(),
+                lease.as_millis(),
+                (longest * 3).as_millis(),
+            ));
+        }
+        conflicts
+    }
+}
+
+/// Everything `keyfence serve` needs: the engine, and the front door and
+/// workers around it.
+#[derive(Args, Clone, Debug)]
+pub struct ServeSettings {
+    #[command(flatten)]
+    pub engine: EngineConfig,
+    /// Address to listen on.
+    #[arg(long, env = "KEYFENCE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// Where clients and other regions reach this region's front door (its load
+    /// balancer); advertised in the key table so other regions can ask it for
+    /// what only it holds. Default: http:// and the address `serve` listens on.
+    #[arg(long = "public-url", env = "KEYFENCE_PUBLIC_URL")]
+    pub public_url: Option<String>,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,
@@ -209,42 +267,10 @@ pub struct ServeSettings {
     /// a time-to-live, such as strongly consistent global tables).
     #[arg(long = "expire-interval-ms", env = "KEYFENCE_EXPIRE_INTERVAL_MS", default_value_t = 0)]
     pub expire_interval_ms: u64,
-    /// Expired keys deleted per second at most, by `serve` and by `keyfence maintain --expire`.
+    /// Expired keys deleted per second at most.
     #[arg(long = "expire-rate", env = "KEYFENCE_EXPIRE_RATE", default_value_t = 50,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub expire_rate: u32,
-    /// Attempts with an unknown external outcome before a request is marked indeterminate.
-    #[arg(long = "max-unknown-attempts", env = "KEYFENCE_MAX_UNKNOWN_ATTEMPTS", default_value_t = 5,
-          value_parser = clap::value_parser!(i32).range(1..))]
-    pub max_unknown_attempts: i32,
-    /// How long finished keys are kept (and replayed), in hours.
-    #[arg(long = "retention-hours", env = "KEYFENCE_RETENTION_HOURS", default_value_t = 72,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub retention_hours: u64,
-}
-
-impl ServeSettings {
-    /// What makes these settings unable to work together, if anything. An
-    /// owner checks its lease before each external call and renews it once
-    /// a third is gone, so the longest call (every attempt timing out) must
-    /// fit in a third of the lease; otherwise the lease can run out while a
-    /// call is in flight and a second owner would start beside the first.
-    pub fn conflicts(&self) -> Vec<String> {
-        let longest = RailClient::longest_call(self.rail_timeout, self.rail_attempts);
-        let mut conflicts = Vec::new();
-        if longest * 3 > self.lease {
-            conflicts.push(format!(
-                "a call to a rail can take {} ms ({} attempts of KEYFENCE_RAIL_TIMEOUT_MS={} with backoff), more than a \
-                 third of KEYFENCE_LEASE_MS={}: raise the lease to at least {} ms, or lower the rail timeout or attempts",
-                longest.as_millis(),
-                self.rail_attempts,
-                self.rail_timeout.as_millis(),
-                self.lease.as_millis(),
-                (longest * 3).as_millis(),
-            ));
-        }
-        conflicts
-    }
 }
 
 fn default_instance() -> String {

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use keyfence::clients::ClientStore;
-use keyfence::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
+use keyfence::config::{EngineConfig, KeyStoreSettings, LedgerSettings, RailSettings, ServeSettings};
 use keyfence::domain::{ApiKey, Millis};
 use keyfence::keystore::{self, DynamoKeyStore, TableChange};
 use keyfence::ledger::Ledger;
@@ -61,7 +61,7 @@ struct RecoverArgs {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
-    serve: ServeSettings,
+    engine: EngineConfig,
 }
 
 #[derive(Args)]
@@ -91,7 +91,7 @@ struct ReconcileArgs {
     #[arg(long, default_value_t = 4)]
     segments: u32,
     #[command(flatten)]
-    serve: ServeSettings,
+    engine: EngineConfig,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -136,8 +136,13 @@ struct BenchReconcileArgs {
     /// Where to write the figures (JSON).
     #[arg(long, default_value = "bench-results/reconcile.json")]
     out: std::path::PathBuf,
+    /// The region the loaded payments are homed in.
+    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
+    region: String,
     #[command(flatten)]
-    serve: ServeSettings,
+    keys: KeyStoreSettings,
+    #[command(flatten)]
+    ledger: LedgerSettings,
 }
 
 #[derive(Args)]
@@ -156,7 +161,11 @@ struct BenchArgs {
     out: std::path::PathBuf,
     /// The stores and rails of the same stack, for the floor loop.
     #[command(flatten)]
-    serve: ServeSettings,
+    keys: KeyStoreSettings,
+    #[command(flatten)]
+    ledger: LedgerSettings,
+    #[command(flatten)]
+    rails: RailSettings,
 }
 
 #[derive(Args)]
@@ -295,7 +304,8 @@ async fn main() -> anyhow::Result<ExitCode> {
 }
 
 async fn bench_reconcile(args: BenchReconcileArgs) -> anyhow::Result<()> {
-    let figures = bench::reconcile::run(&args.serve, &args.sizes, args.divergent).await?;
+    let stores = bench::reconcile::Stores { keys: &args.keys, ledger: &args.ledger, region: &args.region };
+    let figures = bench::reconcile::run(stores, &args.sizes, args.divergent).await?;
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
@@ -329,7 +339,7 @@ async fn bench_reconcile(args: BenchReconcileArgs) -> anyhow::Result<()> {
 /// Exit status 0: the stores agree (or every finding was repaired);
 /// 1: divergence remains; 2: the reconciler could not run.
 async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
-    let engine = match startup::build_engine(&args.serve).await {
+    let engine = match startup::build_engine(&args.engine).await {
         Ok(engine) => engine,
         Err(e) => {
             eprintln!("keyfence reconcile: connecting to the stores: {e}");
@@ -363,7 +373,7 @@ async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn recover(args: RecoverArgs) -> anyhow::Result<()> {
-    let engine = startup::build_engine(&args.serve).await.context("connecting to the stores")?;
+    let engine = startup::build_engine(&args.engine).await.context("connecting to the stores")?;
     let progress = indicatif::ProgressBar::new_spinner().with_message("scanning the in-flight index");
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
     let report = recovery::sweep(
@@ -388,15 +398,14 @@ async fn recover(args: RecoverArgs) -> anyhow::Result<()> {
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let s = &args.serve;
-    let ledger = Ledger::connect(&s.ledger).await.context("connecting to the ledger")?;
+    let ledger = Ledger::connect(&args.ledger).await.context("connecting to the ledger")?;
     let api_key = ApiKey::generate();
-    client_store(&s.keys).await.add("bench", &api_key).await.context("creating the bench client")?;
+    client_store(&args.keys).await.add("bench", &api_key).await.context("creating the bench client")?;
     let floor = bench::front_door::Floor {
-        keys: DynamoKeyStore::new(keystore::connect(&s.keys).await, s.keys.table.clone()),
+        keys: DynamoKeyStore::new(keystore::connect(&args.keys).await, args.keys.table.clone()),
         ledger,
-        e1: RailClient::new("screening", &s.e1_url, s.rail_timeout, s.rail_attempts),
-        e2: RailClient::new("payment", &s.e2_url, s.rail_timeout, s.rail_attempts),
+        e1: RailClient::new("screening", &args.rails.e1_url, args.rails.rail_timeout, args.rails.rail_attempts),
+        e2: RailClient::new("payment", &args.rails.e2_url, args.rails.rail_timeout, args.rails.rail_attempts),
     };
     let plan = bench::front_door::BenchPlan {
         url: args.url.clone(),
@@ -425,7 +434,7 @@ async fn serve(settings: ServeSettings) -> anyhow::Result<ExitCode> {
         Err(e) => return Err(e).context("starting the front door"),
     };
     let addr = app.local_addr()?;
-    tracing::info!(%addr, region = %settings.region, "keyfence serving");
+    tracing::info!(%addr, region = %settings.engine.work.region, "keyfence serving");
     println!("keyfence: listening on http://{addr}");
     app.run_until_stopped(shutdown_signal()).await?;
     tracing::info!("keyfence stopped");

@@ -12,7 +12,7 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 use crate::clients::{ClientStore, Directory};
-use crate::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
+use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
 use crate::http::{AppState, Peers, router, server};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
@@ -67,21 +67,23 @@ pub async fn migrate(keys: &KeyStoreSettings, ledger: &LedgerSettings) -> Result
 }
 
 /// The engine over the configured stores and rails.
-pub async fn build_engine(settings: &ServeSettings) -> Result<Engine<DynamoKeyStore>, StartupError> {
-    let client = keystore::connect(&settings.keys).await;
-    let regions = RegionView::new(RegionStore::new(client.clone(), settings.keys.table.clone()), REGION_VIEW_AGE);
-    let keys = DynamoKeyStore::new(client, settings.keys.table.clone());
-    let ledger = Ledger::connect(&settings.ledger).await?;
+pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore>, StartupError> {
+    let client = keystore::connect(&config.keys).await;
+    let regions = RegionView::new(RegionStore::new(client.clone(), config.keys.table.clone()), REGION_VIEW_AGE);
+    let keys = DynamoKeyStore::new(client, config.keys.table.clone());
+    let ledger = Ledger::connect(&config.ledger).await?;
+    let r = &config.rails;
     let rails = Rails {
-        screening: RailClient::new("screening", &settings.e1_url, settings.rail_timeout, settings.rail_attempts),
-        payment: RailClient::new("payment", &settings.e2_url, settings.rail_timeout, settings.rail_attempts),
+        screening: RailClient::new("screening", &r.e1_url, r.rail_timeout, r.rail_attempts),
+        payment: RailClient::new("payment", &r.e2_url, r.rail_timeout, r.rail_attempts),
     };
+    let work = &config.work;
     let engine_settings = EngineSettings {
-        region: settings.region.clone(),
-        instance: settings.instance.clone(),
-        lease: settings.lease,
-        retention: Duration::from_secs(settings.retention_hours * 3600),
-        max_unknown_attempts: settings.max_unknown_attempts,
+        region: work.region.clone(),
+        instance: work.instance.clone(),
+        lease: work.lease,
+        retention: Duration::from_secs(work.retention_hours * 3600),
+        max_unknown_attempts: work.max_unknown_attempts,
     };
     Ok(Engine::new(keys, ledger, rails, regions, engine_settings))
 }
@@ -101,13 +103,14 @@ pub struct Application {
 impl Application {
     /// Builds it, refusing settings that cannot work together.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
-        let conflicts = settings.conflicts();
+        let conflicts = settings.engine.conflicts();
         if !conflicts.is_empty() {
             return Err(StartupError::Settings(conflicts));
         }
         crate::metrics::install();
-        let engine = Arc::new(build_engine(settings).await?);
-        let clients = Directory::new(ClientStore::new(engine.keys().client().clone(), settings.keys.table.clone()));
+        let engine = Arc::new(build_engine(&settings.engine).await?);
+        let clients =
+            Directory::new(ClientStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone()));
         let state =
             AppState { engine: engine.clone(), clients, peers: Peers::default(), body_limit: settings.body_limit };
         let listener = TcpListener::bind(settings.listen)
@@ -121,7 +124,7 @@ impl Application {
                 listener.local_addr().map_err(|source| StartupError::Listen { addr: settings.listen, source })?
             ),
         };
-        if let Err(e) = engine.regions().store().advertise(&settings.region, &url).await {
+        if let Err(e) = engine.regions().store().advertise(&settings.engine.work.region, &url).await {
             tracing::warn!(error = %e, "could not advertise this region's URL; other regions cannot ask it for payments");
         }
         let limits = server::Limits {

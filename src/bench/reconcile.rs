@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::config::ServeSettings;
+use crate::config::{KeyStoreSettings, LedgerSettings};
 use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 use crate::engine::{Engine, EngineError, EngineSettings, Rails};
 use crate::keystore::{self, DynamoKeyStore, KeyItem, KeyState};
@@ -66,13 +66,21 @@ impl Progress for Silent {
     fn repaired(&self) {}
 }
 
+/// Where the benchmark makes its tables and databases, and as which region.
+#[derive(Clone, Copy)]
+pub struct Stores<'a> {
+    pub keys: &'a KeyStoreSettings,
+    pub ledger: &'a LedgerSettings,
+    pub region: &'a str,
+}
+
 /// Runs the benchmark at each size in `sizes`, erasing `divergent_share` of
 /// the payments for the divergent runs.
-pub async fn run(settings: &ServeSettings, sizes: &[usize], divergent_share: f64) -> Result<Figures, EngineError> {
+pub async fn run(stores: Stores<'_>, sizes: &[usize], divergent_share: f64) -> Result<Figures, EngineError> {
     let mut figures = Vec::new();
     for &size in sizes {
         eprintln!("bench-reconcile: {size} keys");
-        figures.push(one_size(settings, size, divergent_share).await?);
+        figures.push(one_size(stores, size, divergent_share).await?);
     }
     let relative = |seconds: fn(&SizeFigures) -> f64| -> Vec<f64> {
         let per_key = |f: &SizeFigures| seconds(f) / f.keys.max(1) as f64;
@@ -84,13 +92,13 @@ pub async fn run(settings: &ServeSettings, sizes: &[usize], divergent_share: f64
     Ok(Figures { sizes: figures, seconds_per_key_relative, ledger_seconds_per_key_relative })
 }
 
-async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -> Result<SizeFigures, EngineError> {
+async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> Result<SizeFigures, EngineError> {
     let suffix = Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let mut keys_settings = settings.keys.clone();
+    let mut keys_settings = stores.keys.clone();
     keys_settings.table = format!("keyfence-bench-{suffix}");
     // A scan page of a large table can take the local emulator seconds.
     keys_settings.attempt_timeout = keys_settings.attempt_timeout.max(Duration::from_secs(120));
-    let mut ledger_settings = settings.ledger.clone();
+    let mut ledger_settings = stores.ledger.clone();
     ledger_settings.database_url = ledger_settings.database_url.with_database(&format!("keyfence_bench_{suffix}"));
 
     let client = keystore::connect(&keys_settings).await;
@@ -107,7 +115,7 @@ async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -
         },
         RegionView::new(RegionStore::new(client.clone(), keys_settings.table.clone()), REGION_VIEW_AGE),
         EngineSettings {
-            region: settings.region.clone(),
+            region: stores.region.to_owned(),
             instance: "bench".into(),
             lease: Duration::from_secs(10),
             retention: Duration::from_secs(3600),
@@ -116,7 +124,7 @@ async fn one_size(settings: &ServeSettings, size: usize, divergent_share: f64) -
     );
 
     let loaded = Instant::now();
-    let ids = load(&keys, &ledger, &settings.region, size).await?;
+    let ids = load(&keys, &ledger, stores.region, size).await?;
     let load_seconds = loaded.elapsed().as_secs_f64();
     let options = Options {
         since: Millis::new(0),

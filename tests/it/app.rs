@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use keyfence::clients::ClientStore;
-use keyfence::config::ServeSettings;
+use keyfence::config::{EngineConfig, RailSettings, ServeSettings, WorkSettings};
 use keyfence::domain::{ApiKey, ClientId};
 use keyfence::keystore::CONTROL_PREFIX;
 use keyfence::rail::sim::Simulator;
@@ -96,9 +96,9 @@ impl TestApp {
     pub async fn second_region(&self, name: &str) -> TestRegion {
         let db = TestLedger::new().await;
         let mut settings = self.settings.clone();
-        settings.region = name.to_owned();
-        settings.instance = format!("test-{name}");
-        settings.ledger = db.settings.clone();
+        settings.engine.work.region = name.to_owned();
+        settings.engine.work.instance = format!("test-{name}");
+        settings.engine.ledger = db.settings.clone();
         let (url, stop) = start_instance(&settings).await;
         TestRegion { url, settings, db, _stop: stop }
     }
@@ -119,16 +119,24 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
     let mut settings = ServeSettings {
-        keys: keys.settings.clone(),
-        ledger: db.settings.clone(),
+        engine: EngineConfig {
+            keys: keys.settings.clone(),
+            ledger: db.settings.clone(),
+            rails: RailSettings {
+                e1_url: e1.url.clone(),
+                e2_url: e2.url.clone(),
+                rail_timeout: Duration::from_secs(1),
+                rail_attempts: 3,
+            },
+            work: WorkSettings {
+                region: "test-1".into(),
+                instance: "test".into(),
+                lease: Duration::from_secs(10),
+                max_unknown_attempts: 5,
+                retention_hours: 72,
+            },
+        },
         listen: "127.0.0.1:0".parse().unwrap(),
-        region: "test-1".into(),
-        instance: "test".into(),
-        e1_url: e1.url.clone(),
-        e2_url: e2.url.clone(),
-        lease: Duration::from_secs(10),
-        rail_timeout: Duration::from_secs(1),
-        rail_attempts: 3,
         body_limit: 16 * 1024,
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(10),
@@ -137,8 +145,6 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,
-        max_unknown_attempts: 5,
-        retention_hours: 72,
     };
     adjust(&mut settings);
     let (url, stop) = start_instance(&settings).await;
@@ -277,7 +283,7 @@ impl TestApp {
         url.set_host(Some("127.0.0.1")).unwrap();
         url.set_port(Some(proxy.addr.port())).unwrap();
         let mut settings = self.settings.clone();
-        settings.ledger.database_url = url.as_str().parse().unwrap();
+        settings.engine.ledger.database_url = url.as_str().parse().unwrap();
         (proxy, settings)
     }
 

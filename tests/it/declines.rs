@@ -111,7 +111,7 @@ async fn the_rail_declines_once_and_the_funds_come_back_from_clearing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decline_whose_answer_was_lost_is_found_by_the_probe() {
-    let app = spawn_app_with(|s| s.rail_timeout = Duration::from_millis(500)).await;
+    let app = spawn_app_with(|s| s.engine.rails.rail_timeout = Duration::from_millis(500)).await;
     app.e2.set_rules(json!({ "decline_creditor_accounts": [CREDITOR] })).await;
     app.e2.set_faults(json!({ "timeout_after_apply_rate": 1.0 })).await;
     let body = payment("E2E-LOST-DECLINE");

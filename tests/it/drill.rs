@@ -81,7 +81,7 @@ fn everything(repair: bool) -> Options {
 }
 
 async fn reconcile_region(settings: &ServeSettings, repair: bool) -> Report {
-    let engine = build_engine(settings).await.unwrap();
+    let engine = build_engine(&settings.engine).await.unwrap();
     reconcile::run(&engine, &everything(repair), &Quiet).await.unwrap()
 }
 
@@ -195,9 +195,9 @@ async fn a_region_cut_off_from_the_key_table_while_running_changes_nothing_once_
     let proxy = Proxy::start(tokio::net::lookup_host(target).await.unwrap().next().unwrap()).await;
     // Region A reaches the key table only through the proxy.
     let mut a_settings = app.settings.clone();
-    a_settings.keys.aws_endpoint_url = Some(format!("http://{}", proxy.addr));
-    a_settings.keys.attempt_timeout = Duration::from_millis(500);
-    a_settings.keys.max_attempts = 2;
+    a_settings.engine.keys.aws_endpoint_url = Some(format!("http://{}", proxy.addr));
+    a_settings.engine.keys.attempt_timeout = Duration::from_millis(500);
+    a_settings.engine.keys.max_attempts = 2;
     let (a_url, _a) = start_instance(&a_settings).await;
     app.e1.set_faults(serde_json::json!({ "latency_ms": 200 })).await;
     let urls = [a_url.clone(), b.url.clone()];

@@ -30,7 +30,7 @@ async fn expire(app: &TestApp, key: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweeper_deletes_expired_keys_and_nothing_in_flight() {
-    let app = spawn_app_with(|s| s.rail_timeout = Duration::from_millis(300)).await;
+    let app = spawn_app_with(|s| s.engine.rails.rail_timeout = Duration::from_millis(300)).await;
     for key in ["old-1", "old-2", "recent-1"] {
         assert_eq!(app.pay(key, &payment(&format!("E2E-{key}"))).await.status(), StatusCode::CREATED);
     }

@@ -12,7 +12,7 @@ use crate::app::{payment, spawn_app_with};
 
 #[tokio::test]
 async fn a_timeout_after_the_rail_applied_is_pending_then_finishes_once() {
-    let app = spawn_app_with(|s| s.rail_timeout = Duration::from_millis(500)).await;
+    let app = spawn_app_with(|s| s.engine.rails.rail_timeout = Duration::from_millis(500)).await;
     app.e2.set_faults(json!({ "timeout_after_apply_rate": 1.0 })).await;
     let body = payment("E2E-TIMEOUT");
 

@@ -38,8 +38,8 @@ async fn fail_the_first_phase_once(app: &TestApp) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_forget_never_deletes_a_newer_claim() {
     let app = spawn_app_with(|s| {
-        (s.rail_timeout, s.rail_attempts) = (Duration::from_secs(5), 1);
-        s.lease = Duration::from_secs(15);
+        (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_secs(5), 1);
+        s.engine.work.lease = Duration::from_secs(15);
     })
     .await;
     fail_the_first_phase_once(&app).await;

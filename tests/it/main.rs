@@ -3,6 +3,7 @@
 //! One binary, many modules; every test makes its own table and database.
 
 mod app;
+mod cli;
 mod clients;
 #[cfg(feature = "failpoints")]
 mod clock_skew;

@@ -21,11 +21,11 @@ async fn payment_status(app: &TestApp, location: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_rail_parks_the_payment_until_it_answers_again() {
     let app = spawn_app_with(|s| {
-        s.lease = Duration::from_millis(1000);
-        s.rail_timeout = Duration::from_millis(300);
-        s.rail_attempts = 1;
+        s.engine.work.lease = Duration::from_millis(1000);
+        s.engine.rails.rail_timeout = Duration::from_millis(300);
+        s.engine.rails.rail_attempts = 1;
         s.recovery_interval_ms = 200;
-        s.max_unknown_attempts = 3;
+        s.engine.work.max_unknown_attempts = 3;
     })
     .await;
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;

@@ -26,7 +26,7 @@ impl Progress for Quiet {
 
 /// One reconciler run over everything, with thresholds of zero.
 pub async fn reconcile(app: &TestApp, repair: bool) -> Report {
-    let engine = build_engine(&app.settings).await.unwrap();
+    let engine = build_engine(&app.settings.engine).await.unwrap();
     let options = Options {
         since: Millis::new(0),
         until: Millis::now().plus(Duration::from_secs(60)),
@@ -197,8 +197,8 @@ async fn an_answer_mismatch_is_reported_and_left_for_a_person() {
 #[tokio::test]
 async fn an_unknown_outcome_past_the_threshold_is_probed_and_settled_once_the_rail_answers() {
     let app = spawn_app_with(|s| {
-        s.rail_timeout = Duration::from_millis(300);
-        s.max_unknown_attempts = 2;
+        s.engine.rails.rail_timeout = Duration::from_millis(300);
+        s.engine.work.max_unknown_attempts = 2;
     })
     .await;
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
@@ -334,7 +334,7 @@ async fn keys_past_their_retention_are_expired_not_missing_and_never_recreated()
 
 #[tokio::test]
 async fn an_unknown_outcome_under_a_live_lease_is_left_alone() {
-    let app = spawn_app_with(|s| s.rail_timeout = Duration::from_millis(300)).await;
+    let app = spawn_app_with(|s| s.engine.rails.rail_timeout = Duration::from_millis(300)).await;
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
     assert_eq!(app.pay("live-1", &payment("E2E-live-1")).await.status(), StatusCode::ACCEPTED);
     let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("live-1").unwrap());

@@ -132,7 +132,7 @@ async fn a_dead_regions_request_finishes_in_another_once_the_region_is_declared_
         assert_eq!(replay.bytes().await.unwrap(), bytes, "the same bytes from both regions");
     }
     // A's reconciler voids what the dead owner left in A's ledger.
-    let a_engine = build_engine(&app.settings).await.unwrap();
+    let a_engine = build_engine(&app.settings.engine).await.unwrap();
     let options = Options {
         since: keyfence::domain::Millis::new(0),
         until: keyfence::domain::Millis::now().plus(Duration::from_secs(60)),
@@ -148,7 +148,7 @@ async fn a_dead_regions_request_finishes_in_another_once_the_region_is_declared_
     assert_eq!(app.unbalanced_payments().await, 0);
     let again = reconcile::run(&a_engine, &Options { repair: false, ..options.clone() }, &Quiet).await.unwrap();
     assert!(again.findings.is_empty(), "{}", again.table());
-    let b_engine = build_engine(&b.settings).await.unwrap();
+    let b_engine = build_engine(&b.settings.engine).await.unwrap();
     let in_b = reconcile::run(&b_engine, &Options { repair: false, ..options }, &Quiet).await.unwrap();
     assert!(in_b.findings.is_empty(), "{}", in_b.table());
 }
@@ -169,7 +169,7 @@ async fn another_regions_worker_drains_a_failed_region_in_one_sweep() {
     }
 
     declare(&app, "test-1", RegionState::Failed).await;
-    let b_engine = build_engine(&b.settings).await.unwrap();
+    let b_engine = build_engine(&b.settings.engine).await.unwrap();
     let report = recovery::sweep(&b_engine, |_| {}, || {}).await;
     assert_eq!(report.finished, keys.len(), "{}", report.summary());
     for key in &keys {
@@ -244,7 +244,9 @@ async fn every_region_answers_for_the_callers_own_payments() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_in_flight_when_its_region_fails_commits_no_further_phase() {
-    let app = spawn_app_with(|s| (s.rail_timeout, s.rail_attempts) = (Duration::from_secs(3), 1)).await;
+    let app =
+        spawn_app_with(|s| (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_secs(3), 1))
+            .await;
     app.e1.set_faults(serde_json::json!({ "latency_ms": 1500 })).await;
     let in_flight = app.pay_in_background(&app.url, "mid-flight-1", &payment("E2E-MID-FLIGHT"));
     tokio::time::sleep(Duration::from_millis(300)).await;

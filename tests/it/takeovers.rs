@@ -20,7 +20,7 @@ async fn stale_key(app: &crate::app::TestApp, request: &[u8]) -> StaleKey {
     let key = fresh_key();
     let mut claim = claim_of(&key, Millis::new(1_000), Duration::from_secs(1));
     claim.request = request.to_vec();
-    claim.home_region = app.settings.region.clone();
+    claim.home_region = app.settings.engine.work.region.clone();
     let item = app.keys.store.claim(&claim).await.unwrap();
     StaleKey { key, fence: item.fence, home_region: item.home_region, lease_until: item.lease_until }
 }
@@ -29,7 +29,7 @@ async fn stale_key(app: &crate::app::TestApp, request: &[u8]) -> StaleKey {
 async fn a_request_that_does_not_decode_is_handed_back_at_once() {
     let app = spawn_app().await;
     let stale = stale_key(&app, b"not a payment").await;
-    let engine = build_engine(&app.settings).await.unwrap();
+    let engine = build_engine(&app.settings.engine).await.unwrap();
 
     let recovered = engine.recover(&stale, PaymentOperation::from_canonical).await;
     assert!(matches!(recovered, Err(EngineError::Fault(_))), "{recovered:?}");
@@ -44,7 +44,7 @@ async fn a_ledger_out_of_reach_at_adoption_hands_the_key_back() {
     let request = serde_json::to_vec(&crate::app::payment("E2E-ADOPT")).unwrap();
     let stale = stale_key(&app, &request).await;
     let (proxy, settings) = app.behind_a_proxied_ledger().await;
-    let engine = build_engine(&settings).await.unwrap();
+    let engine = build_engine(&settings.engine).await.unwrap();
     proxy.cut();
 
     let recovered = engine.recover(&stale, PaymentOperation::from_canonical).await;

@@ -58,12 +58,14 @@ async fn a_retry_and_two_recovery_workers_resume_a_stale_key_once() {
     let survivor = ServeProcess::start(&app, None, 0).await;
     let worker = |name: &str| {
         let mut settings = app.settings.clone();
-        settings.instance = name.to_owned();
-        settings.lease = Duration::from_millis(LEASE_MS);
+        settings.engine.work.instance = name.to_owned();
+        settings.engine.work.lease = Duration::from_millis(LEASE_MS);
         settings
     };
-    let (first, second) =
-        (build_engine(&worker("worker-a")).await.unwrap(), build_engine(&worker("worker-b")).await.unwrap());
+    let (first, second) = (
+        build_engine(&worker("worker-a").engine).await.unwrap(),
+        build_engine(&worker("worker-b").engine).await.unwrap(),
+    );
     tokio::time::sleep(Duration::from_millis(LEASE_MS + 200)).await;
 
     let (retry, a, b) = tokio::join!(
