@@ -108,6 +108,69 @@ impl DynamoKeyStore {
     fn pk(key: &ScopedKey) -> AttributeValue {
         s(key.partition_key())
     }
+
+    /// Installs `owner` under fence `seen + 1` with a new lease, if the item
+    /// is started, still at `seen`, and `when` holds. A condition failure
+    /// that shows this very replacement already made (a retried request
+    /// whose first delivery landed, and `ours` agrees) is success.
+    async fn replace_owner(
+        &self,
+        key: &ScopedKey,
+        seen: Fence,
+        owner: &Owner,
+        lease: Lease,
+        when: Replacement,
+        ours: impl Fn(&KeyItem) -> bool,
+    ) -> Result<KeyItem, KeyStoreError> {
+        let mut values: Attrs = when.values.into_iter().map(|(name, value)| (name.to_owned(), value)).collect();
+        values.extend([
+            (":next".to_owned(), n(seen.next().get())),
+            (":until".to_owned(), n(lease.until().get())),
+            (":owner".to_owned(), s(owner.as_str())),
+            (":started".to_owned(), s(KeyState::Started.as_str())),
+            (":seen".to_owned(), n(seen.get())),
+        ]);
+        let update = format!("SET #fence = :next, #lease = :until, #owner = :owner{}", when.set);
+        let condition = format!("#state = :started AND #fence = :seen AND {}", when.condition);
+        let used: Vec<&str> = ["#fence", "#lease", "#owner", "#state", "#home"]
+            .into_iter()
+            .filter(|name| update.contains(name) || condition.contains(name))
+            .collect();
+        let sent = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .update_expression(update)
+            .condition_expression(condition)
+            .set_expression_attribute_names(Some(names_for(&used)))
+            .set_expression_attribute_values(Some(values))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
+            Err(Failure::Condition(Some(current))) => {
+                let current = decode(&current)?;
+                let replaced = current.owner == *owner && current.fence == seen.next() && ours(&current);
+                if replaced && current.state == KeyState::Started {
+                    Ok(current)
+                } else {
+                    Err(KeyStoreError::Taken(Some(Box::new(current))))
+                }
+            }
+            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
+            Err(Failure::Store(e)) => Err(e),
+        }
+    }
+}
+
+/// What an owner replacement adds to the update and to its condition.
+struct Replacement {
+    set: &'static str,
+    condition: &'static str,
+    values: Vec<(&'static str, AttributeValue)>,
 }
 
 /// Names used in every condition; `state` and `owner` are reserved words.
@@ -174,35 +237,8 @@ impl KeyStore for DynamoKeyStore {
         lease: Lease,
     ) -> Result<KeyItem, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "take_over")]);
-        let sent = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(attr::PK, Self::pk(key))
-            .update_expression("SET #fence = :next, #lease = :until, #owner = :owner")
-            .condition_expression("#state = :started AND #lease < :now AND #fence = :seen")
-            .set_expression_attribute_names(Some(names_for(&["#fence", "#lease", "#owner", "#state"])))
-            .expression_attribute_values(":next", n(seen.next().get()))
-            .expression_attribute_values(":until", n(lease.until().get()))
-            .expression_attribute_values(":owner", s(owner.as_str()))
-            .expression_attribute_values(":started", s(KeyState::Started.as_str()))
-            .expression_attribute_values(":now", n(lease.now.get()))
-            .expression_attribute_values(":seen", n(seen.get()))
-            .return_values(ReturnValue::AllNew)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match sent.map_err(classify) {
-            Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
-            Err(Failure::Condition(Some(current))) => {
-                let current = decode(&current)?;
-                let ours =
-                    current.owner == *owner && current.fence == seen.next() && current.state == KeyState::Started;
-                if ours { Ok(current) } else { Err(KeyStoreError::Taken(Some(Box::new(current)))) }
-            }
-            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
-            Err(Failure::Store(e)) => Err(e),
-        }
+        let when = Replacement { set: "", condition: "#lease < :now", values: vec![(":now", n(lease.now.get()))] };
+        self.replace_owner(key, seen, owner, lease, when, |_| true).await
     }
 
     #[tracing::instrument(skip_all, fields(pk = %key, seen = %seen, from, to))]
@@ -216,39 +252,12 @@ impl KeyStore for DynamoKeyStore {
         to: &str,
     ) -> Result<KeyItem, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "fail_over")]);
-        let sent = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(attr::PK, Self::pk(key))
-            .update_expression("SET #fence = :next, #lease = :until, #owner = :owner, #home = :to")
-            .condition_expression("#state = :started AND #fence = :seen AND #home = :from")
-            .set_expression_attribute_names(Some(names_for(&["#fence", "#lease", "#owner", "#state", "#home"])))
-            .expression_attribute_values(":next", n(seen.next().get()))
-            .expression_attribute_values(":until", n(lease.until().get()))
-            .expression_attribute_values(":owner", s(owner.as_str()))
-            .expression_attribute_values(":to", s(to))
-            .expression_attribute_values(":from", s(from))
-            .expression_attribute_values(":started", s(KeyState::Started.as_str()))
-            .expression_attribute_values(":seen", n(seen.get()))
-            .return_values(ReturnValue::AllNew)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match sent.map_err(classify) {
-            Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
-            Err(Failure::Condition(Some(current))) => {
-                let current = decode(&current)?;
-                let ours = current.owner == *owner && current.fence == seen.next() && current.home_region == to;
-                if ours && current.state == KeyState::Started {
-                    Ok(current)
-                } else {
-                    Err(KeyStoreError::Taken(Some(Box::new(current))))
-                }
-            }
-            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
-            Err(Failure::Store(e)) => Err(e),
-        }
+        let when = Replacement {
+            set: ", #home = :to",
+            condition: "#home = :from",
+            values: vec![(":to", s(to)), (":from", s(from))],
+        };
+        self.replace_owner(key, seen, owner, lease, when, |current| current.home_region == to).await
     }
 
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
