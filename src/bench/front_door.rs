@@ -1,9 +1,13 @@
 //! `keyfence bench`: measures a running front door. It sends N payments
 //! with distinct keys at concurrency C, then replays all N, and in the same
-//! run measures the floor: a bare loop doing only what a payment must do
+//! run measures two floors: a bare loop doing only what a payment must do
 //! (a claim and a finish in the key store, three PostgreSQL transactions,
-//! one call to each rail), so the front door's own overhead is the ratio of
-//! the two. Figures go to a JSON file and a table on stdout; a progress bar
+//! one call to each rail), and the raw replay floor (one key-store round
+//! trip of the kind a replay makes: a claim of an existing key, answered
+//! with the item), so the front door's own overhead is the ratio of each
+//! pair. The serve process's CPU time per request comes from its own
+//! `/metrics` (`process_cpu_seconds_total`, read before and after each
+//! phase). Figures go to a JSON file and a table on stdout; a progress bar
 //! shows on a terminal.
 
 use std::collections::BTreeMap;
@@ -51,6 +55,8 @@ pub struct Figures {
     pub p99_ms: f64,
     /// Answers by HTTP status (the floor counts 200 for a completed loop).
     pub statuses: BTreeMap<u16, usize>,
+    /// CPU time the serve process spent per request (front-door phases only).
+    pub serve_cpu_ms_per_request: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -60,14 +66,17 @@ pub struct Report {
     pub payments: Figures,
     pub replays: Figures,
     pub floor: Figures,
+    pub replay_floor: Figures,
     /// Front-door p50 latency over the floor's.
     pub p50_over_floor: f64,
-    /// Floor throughput over the front door's.
-    pub throughput_floor_over_payments: f64,
+    /// The front door's throughput over the floor's (1.0: no overhead).
+    pub payments_over_floor: f64,
+    /// Replay throughput over the raw replay floor's.
+    pub replays_over_floor: f64,
 }
 
 /// Runs the three measurements.
-pub async fn run(plan: &BenchPlan, floor: &Floor) -> Report {
+pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
     let http = reqwest::Client::new();
     let batch = Uuid::new_v4().simple().to_string();
     let send = |i: usize| {
@@ -84,18 +93,56 @@ pub async fn run(plan: &BenchPlan, floor: &Floor) -> Report {
             }));
         async move { request.send().await.map(|r| r.status().as_u16()).map_err(|e| e.to_string()) }
     };
-    let payments = measure("payments", plan, send).await;
-    let replays = measure("replays", plan, send).await;
+    let cpu = || serve_cpu_seconds(&http, &plan.url);
+    let before = cpu().await;
+    let mut payments = measure("payments", plan, send).await;
+    let between = cpu().await;
+    let mut replays = measure("replays", plan, send).await;
+    let after = cpu().await;
+    let per_request =
+        |from: Option<f64>, to: Option<f64>, f: &Figures| Some((to? - from?) * 1000.0 / f.requests.max(1) as f64);
+    payments.serve_cpu_ms_per_request = per_request(before, between, &payments);
+    replays.serve_cpu_ms_per_request = per_request(between, after, &replays);
     let client = ClientId::generate();
-    let floor = measure("floor", plan, |i| floor_loop(floor, client, i)).await;
+    let floor = measure("floor", plan, |i| floor_loop(stack, client, i)).await;
+    let replay_floor = measure("replay floor", plan, |i| replay_floor_loop(stack, client, i)).await;
+    let ratio = |a: &Figures, b: &Figures| a.per_second / b.per_second.max(f64::EPSILON);
     Report {
         requests: plan.requests,
         concurrency: plan.concurrency,
         p50_over_floor: payments.p50_ms / floor.p50_ms.max(f64::EPSILON),
-        throughput_floor_over_payments: floor.per_second / payments.per_second.max(f64::EPSILON),
+        payments_over_floor: ratio(&payments, &floor),
+        replays_over_floor: ratio(&replays, &replay_floor),
         payments,
         replays,
         floor,
+        replay_floor,
+    }
+}
+
+/// The serve process's CPU seconds so far, from its `/metrics`.
+async fn serve_cpu_seconds(http: &reqwest::Client, url: &str) -> Option<f64> {
+    let text = http.get(format!("{url}/metrics")).send().await.ok()?.text().await.ok()?;
+    text.lines().find_map(|line| line.strip_prefix("process_cpu_seconds_total ")?.trim().parse().ok())
+}
+
+/// One key-store round trip of the kind a replay makes: a claim of a key
+/// that exists (the floor loop made it), answered with the item.
+async fn replay_floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, String> {
+    let key = ScopedKey::new(client, IdempotencyKey::parse(&format!("floor-{i}")).map_err(|e| e.to_string())?);
+    let claim = Claim {
+        key,
+        request_hash: RequestHash::from_hex(String::new()),
+        request: Vec::new(),
+        payment_id: Uuid::now_v7(),
+        owner: Owner::attempt_of("bench"),
+        home_region: "bench".into(),
+        lease: Lease { now: Millis::now(), length: Duration::from_secs(10) },
+    };
+    match floor.keys.claim(&claim).await {
+        Err(crate::keystore::KeyStoreError::Taken(Some(_))) => Ok(200),
+        Ok(_) => Err("the key did not exist".into()),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -193,6 +240,7 @@ where
         p50_ms: percentile(&latencies, 0.50),
         p99_ms: percentile(&latencies, 0.99),
         statuses,
+        serve_cpu_ms_per_request: None,
     }
 }
 
@@ -200,16 +248,20 @@ impl Report {
     /// A table for people.
     pub fn table(&self) -> String {
         let mut out = format!("{} requests at concurrency {}\n", self.requests, self.concurrency);
-        out += &format!("{:<9} {:>9} {:>9} {:>9} {:>8}  statuses\n", "", "req/s", "p50 ms", "p99 ms", "failed");
-        for f in [&self.payments, &self.replays, &self.floor] {
+        out += &format!(
+            "{:<12} {:>9} {:>9} {:>9} {:>8} {:>12}  statuses\n",
+            "", "req/s", "p50 ms", "p99 ms", "failed", "cpu ms/req"
+        );
+        for f in [&self.payments, &self.replays, &self.floor, &self.replay_floor] {
+            let cpu = f.serve_cpu_ms_per_request.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.3}"));
             out += &format!(
-                "{:<9} {:>9.1} {:>9.2} {:>9.2} {:>8}  {:?}\n",
-                f.label, f.per_second, f.p50_ms, f.p99_ms, f.failures, f.statuses
+                "{:<12} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12}  {:?}\n",
+                f.label, f.per_second, f.p50_ms, f.p99_ms, f.failures, cpu, f.statuses
             );
         }
         out += &format!(
-            "payment p50 is {:.2}x the floor's; the floor's throughput is {:.2}x the front door's\n",
-            self.p50_over_floor, self.throughput_floor_over_payments
+            "payments run at {:.2}x the floor's throughput (p50 {:.2}x); replays at {:.2}x the replay floor's\n",
+            self.payments_over_floor, self.p50_over_floor, self.replays_over_floor
         );
         out
     }
