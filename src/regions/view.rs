@@ -1,13 +1,15 @@
 //! `RegionView`: an instance's view of the registry, read at most once per
 //! `max_age` on the request path (one consistent read a second, whatever
 //! the traffic) and read fresh where a decision moves a request between
-//! regions. A registry that cannot be read keeps the last view; one never
-//! read counts every region active, so a registry outage stops nothing.
+//! regions. Readers share the cached registry without waiting on each
+//! other; when it is due, one of them refreshes it while the rest keep
+//! using the last one (before the first read, they wait for it). A registry
+//! that cannot be read keeps the last view; one never read counts every
+//! region active, so a registry outage stops nothing.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use super::{RegionStore, RegionsError, Registry};
@@ -16,42 +18,61 @@ use super::{RegionStore, RegionsError, Registry};
 pub struct RegionView {
     store: RegionStore,
     max_age: Duration,
-    cached: Arc<Mutex<Option<(Instant, Registry)>>>,
+    cached: Arc<RwLock<(Option<Instant>, Arc<Registry>)>>,
+    /// Held by the one reader refreshing a stale view.
+    refreshing: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl RegionView {
     pub fn new(store: RegionStore, max_age: Duration) -> Self {
-        Self { store, max_age, cached: Arc::default() }
+        Self { store, max_age, cached: Arc::default(), refreshing: Arc::default() }
     }
 
     pub fn store(&self) -> &RegionStore {
         &self.store
     }
 
-    /// The registry as of at most `max_age` ago.
-    pub async fn current(&self) -> Registry {
-        let mut cached = self.cached.lock().await;
-        if let Some((at, registry)) = cached.as_ref()
-            && at.elapsed() < self.max_age
-        {
-            return registry.clone();
+    /// The registry as of at most `max_age` ago (or the last one read, while
+    /// another caller refreshes it).
+    pub async fn current(&self) -> Arc<Registry> {
+        let (read_at, registry) = self.cached();
+        if read_at.is_some_and(|at| at.elapsed() < self.max_age) {
+            return registry;
         }
-        match self.store.read().await {
-            Ok(registry) => {
-                *cached = Some((Instant::now(), registry.clone()));
-                registry
+        // Never read yet: wait for the first read rather than guess.
+        let _refreshing = match (read_at, self.refreshing.try_lock()) {
+            (_, Ok(guard)) => guard,
+            (Some(_), Err(_)) => return registry,
+            (None, Err(_)) => {
+                let guard = self.refreshing.lock().await;
+                let (read_at, registry) = self.cached();
+                if read_at.is_some() {
+                    return registry;
+                }
+                guard
             }
+        };
+        match self.store.read().await {
+            Ok(fresh) => self.keep(fresh),
             Err(e) => {
                 tracing::warn!(error = %e, "could not read the region registry; keeping the last view");
-                cached.as_ref().map(|(_, r)| r.clone()).unwrap_or_default()
+                registry
             }
         }
     }
 
     /// The registry read now, strongly consistent.
-    pub async fn fresh(&self) -> Result<Registry, RegionsError> {
-        let registry = self.store.read().await?;
-        *self.cached.lock().await = Some((Instant::now(), registry.clone()));
-        Ok(registry)
+    pub async fn fresh(&self) -> Result<Arc<Registry>, RegionsError> {
+        Ok(self.keep(self.store.read().await?))
+    }
+
+    fn cached(&self) -> (Option<Instant>, Arc<Registry>) {
+        self.cached.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn keep(&self, registry: Registry) -> Arc<Registry> {
+        let registry = Arc::new(registry);
+        *self.cached.write().unwrap_or_else(|p| p.into_inner()) = (Some(Instant::now()), registry.clone());
+        registry
     }
 }
