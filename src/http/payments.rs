@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, require_json};
-use super::peers::{Asked, FORWARDED};
+use super::peers::{Asked, forwardable};
 use super::{ApiError, AppState, json};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
@@ -96,7 +96,7 @@ pub async fn show(
     if let Some(payment) = state.engine.ledger().payment_of(client, id).await.map_err(EngineError::from)? {
         return Ok(Json(payment).into_response());
     }
-    let Some(auth) = headers.get(header::AUTHORIZATION).filter(|_| !headers.contains_key(FORWARDED)) else {
+    let Some(auth) = forwardable(&headers) else {
         return Err(ApiError::NotFound);
     };
     let registry = state.engine.regions().current().await;
@@ -127,14 +127,11 @@ pub async fn by_reference(
     }
     let local = state.engine.ledger().payments_by_reference(client, &reference).await.map_err(EngineError::from)?;
     let mut payments: Vec<Value> = local.iter().filter_map(|p| serde_json::to_value(p).ok()).collect();
-    if let Some(auth) = headers.get(header::AUTHORIZATION).filter(|_| !headers.contains_key(FORWARDED)) {
+    if let Some(auth) = forwardable(&headers) {
         let registry = state.engine.regions().current().await;
         let query = [("end_to_end_id", reference.as_str())];
-        match state.peers.listing(&registry, state.engine.region(), auth, PATH, &query).await {
-            Asked::Found(theirs) => payments.extend(theirs),
-            Asked::Nowhere => {}
-            Asked::Unreachable(regions) => return Err(ApiError::PeersUnreachable(regions)),
-        }
+        let theirs = state.peers.listing(&registry, state.engine.region(), auth, PATH, &query).await;
+        payments.extend(theirs.map_err(ApiError::PeersUnreachable)?);
     }
     Ok(Json(json!({ "data": merged(payments) })).into_response())
 }

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use axum::http::HeaderValue;
+use axum::http::{HeaderMap, HeaderValue};
 use serde_json::Value;
 
 use crate::regions::Registry;
@@ -24,13 +24,19 @@ pub struct Peers {
     http: reqwest::Client,
 }
 
-/// What the other regions said.
-pub enum Asked<T> {
-    Found(T),
+/// What the other regions said of one payment.
+pub enum Asked {
+    Found(Value),
     /// Every other region answered, and none holds it.
     Nowhere,
     /// These regions could not be asked.
     Unreachable(Vec<String>),
+}
+
+/// The caller's credentials, to ask the other regions with; `None` for a
+/// request that is itself forwarded (it is answered from this ledger only).
+pub fn forwardable(headers: &HeaderMap) -> Option<&HeaderValue> {
+    headers.get(axum::http::header::AUTHORIZATION).filter(|_| !headers.contains_key(FORWARDED))
 }
 
 impl Default for Peers {
@@ -42,7 +48,7 @@ impl Default for Peers {
 
 impl Peers {
     /// The payment at `path` as the first other region holding it shows it.
-    pub async fn payment(&self, registry: &Registry, me: &str, auth: &HeaderValue, path: &str) -> Asked<Value> {
+    pub async fn payment(&self, registry: &Registry, me: &str, auth: &HeaderValue, path: &str) -> Asked {
         let mut unreachable = Vec::new();
         for (region, url) in others(registry, me) {
             match self.get(url, path, &[], auth).await {
@@ -55,7 +61,7 @@ impl Peers {
     }
 
     /// Every other region's answer to a listing at `path` with `query`
-    /// (`{"data": [...]}`).
+    /// (`{"data": [...]}`), or the regions that could not be asked.
     pub async fn listing(
         &self,
         registry: &Registry,
@@ -63,7 +69,7 @@ impl Peers {
         auth: &HeaderValue,
         path: &str,
         query: &[(&str, &str)],
-    ) -> Asked<Vec<Value>> {
+    ) -> Result<Vec<Value>, Vec<String>> {
         let mut all = Vec::new();
         let mut unreachable = Vec::new();
         for (region, url) in others(registry, me) {
@@ -76,7 +82,7 @@ impl Peers {
                 Err(()) => unreachable.push(region.to_owned()),
             }
         }
-        if unreachable.is_empty() { Asked::Found(all) } else { Asked::Unreachable(unreachable) }
+        if unreachable.is_empty() { Ok(all) } else { Err(unreachable) }
     }
 
     /// `Ok(None)` for a 404; `Err` when the region did not answer usefully.

@@ -151,17 +151,12 @@ impl DynamoKeyStore {
             .await;
         match sent.map_err(classify) {
             Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
-            Err(Failure::Condition(Some(current))) => {
-                let current = decode(&current)?;
-                let replaced = current.owner == *owner && current.fence == seen.next() && ours(&current);
-                if replaced && current.state == KeyState::Started {
-                    Ok(current)
-                } else {
-                    Err(KeyStoreError::Taken(Some(Box::new(current))))
-                }
-            }
-            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
-            Err(Failure::Store(e)) => Err(e),
+            Err(failure) => ours_or_taken(failure, |current| {
+                current.owner == *owner
+                    && current.fence == seen.next()
+                    && current.state == KeyState::Started
+                    && ours(current)
+            }),
         }
     }
 }
@@ -215,16 +210,9 @@ impl KeyStore for DynamoKeyStore {
             .await;
         match sent.map_err(classify) {
             Ok(_) => Ok(item),
-            Err(Failure::Condition(Some(existing))) => {
-                let existing = decode(&existing)?;
-                if existing.owner == claim.owner && existing.fence == Fence::FIRST {
-                    Ok(existing)
-                } else {
-                    Err(KeyStoreError::Taken(Some(Box::new(existing))))
-                }
+            Err(failure) => {
+                ours_or_taken(failure, |existing| existing.owner == claim.owner && existing.fence == Fence::FIRST)
             }
-            Err(Failure::Condition(None)) => Err(KeyStoreError::Taken(None)),
-            Err(Failure::Store(e)) => Err(e),
         }
     }
 
@@ -505,6 +493,20 @@ fn names_for(used: &[&str]) -> HashMap<String, String> {
 enum Failure {
     Condition(Option<Attrs>),
     Store(KeyStoreError),
+}
+
+/// For a claim or an owner replacement, a failed condition is our own
+/// earlier success (a retried request whose first delivery landed) when the
+/// item shows it (`ours`); otherwise the key is taken.
+fn ours_or_taken(failure: Failure, ours: impl Fn(&KeyItem) -> bool) -> Result<KeyItem, KeyStoreError> {
+    match failure {
+        Failure::Condition(Some(current)) => {
+            let current = decode(&current)?;
+            if ours(&current) { Ok(current) } else { Err(KeyStoreError::Taken(Some(Box::new(current)))) }
+        }
+        Failure::Condition(None) => Err(KeyStoreError::Taken(None)),
+        Failure::Store(e) => Err(e),
+    }
 }
 
 /// For fenced writes a failed condition means someone else owns the key now.

@@ -6,9 +6,9 @@
 //! rows means a newer owner exists or the phase already ran; the transaction
 //! is then dropped, so nothing the caller would have written survives. The
 //! row stays locked until commit, so an older owner cannot slip a write in
-//! between the check and the business writes that follow it. Before it, a
-//! phase reads the ledger's region fence under a share lock: a ledger whose
-//! region was declared failed commits nothing more.
+//! between the check and the business writes that follow it. The same
+//! statement reads the ledger's region fence under a share lock: a ledger
+//! whose region was declared failed commits nothing more.
 
 use std::collections::BTreeMap;
 
@@ -109,10 +109,12 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
      RETURNING r.recovery_point";
 
 /// The first phase: insert the row at its first recovery point, or move a
-/// row adopted at `STARTED` ($10) there.
-const FIRST_PHASE: &str = "INSERT INTO requests AS r
+/// row adopted at `STARTED` ($10) there. Like every phase it first reads
+/// the region fence under a share lock, in the same statement.
+const FIRST_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence FOR SHARE)
+     INSERT INTO requests AS r
         (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+     SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
      ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
         SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
       WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $10
@@ -191,18 +193,15 @@ impl Ledger {
     ) -> Result<Phase, LedgerError> {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
         let mut tx = self.pool.begin().await?;
-        let fenced: Option<(bool, Option<String>)> =
-            sqlx::query_as("SELECT failed, region FROM region_fence FOR SHARE").fetch_optional(&mut *tx).await?;
-        if let Some((true, region)) = fenced {
-            return Err(LedgerError::RegionFailed(region.unwrap_or_default()));
-        }
         let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
             insert_row(FIRST_PHASE, request, fence, to).bind(from.as_str()).fetch_optional(&mut *tx).await?
         } else {
             sqlx::query(
-                "UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
+                "WITH fence AS (SELECT failed FROM region_fence FOR SHARE)
+                 UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
                   WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
                     AND fence <= $4 AND recovery_point = $6
+                    AND NOT EXISTS (SELECT 1 FROM fence WHERE failed)
                  RETURNING 1",
             )
             .bind(request.key.client.as_uuid())
@@ -214,9 +213,14 @@ impl Ledger {
             .fetch_optional(&mut *tx)
             .await?
         };
-        match moved {
-            Some(_) => Ok(Phase { tx, fence, to: to.clone(), _timer: timer }),
-            None => Err(refusal(&mut tx, request, fence, from).await?),
+        if moved.is_some() {
+            return Ok(Phase { tx, fence, to: to.clone(), _timer: timer });
+        }
+        let fenced: Option<(bool, Option<String>)> =
+            sqlx::query_as("SELECT failed, region FROM region_fence").fetch_optional(&mut *tx).await?;
+        match fenced {
+            Some((true, region)) => Err(LedgerError::RegionFailed(region.unwrap_or_default())),
+            _ => Err(refusal(&mut tx, request, fence, from).await?),
         }
     }
 }
