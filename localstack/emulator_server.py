@@ -16,6 +16,11 @@ Two more departures from stock moto, both towards real DynamoDB:
   segment are kept until an item is added or removed, and a page starts by
   bisecting to its ExclusiveStartKey. Items, limits, filters and the
   LastEvaluatedKey are still moto's own.
+- Connections are kept alive, as DynamoDB's own endpoints keep them:
+  werkzeug's development server closes every connection after one reply,
+  which would make each SDK call pay for a new TCP connection. Every request
+  body is read whole before the application sees it, so the next request on
+  the connection starts where werkzeug expects it.
 - It exits promptly on SIGTERM and SIGINT, even under load.
 
 And one addition for tests, a fault switch (see localstack/README.md):
@@ -39,6 +44,7 @@ import io
 import itertools
 import json
 import os
+import selectors
 import signal
 import sys
 import threading
@@ -52,6 +58,7 @@ from moto.moto_server.werkzeug_app import (
 )
 from moto.dynamodb.models.dynamo_type import DynamoType
 from moto.dynamodb.models.table import Table
+import werkzeug.serving
 from werkzeug.serving import ThreadedWSGIServer, make_server
 
 ORDER = "_keyfence_scan_order"
@@ -130,6 +137,8 @@ class Serialized:
         self._faults = Faults()
 
     def __call__(self, environ, start_response):
+        if not environ.get("wsgi.input_terminated"):
+            environ["wsgi.input"] = io.BytesIO(read_body(environ))
         if environ.get("PATH_INFO") == FAULTS_PATH:
             return self._faults.control(environ, start_response)
         fault = self._faults.take(environ)
@@ -153,6 +162,46 @@ class Serialized:
             except OSError:
                 pass
         raise ConnectionResetError("reply dropped by a keyfence emulator fault")
+
+
+class KeepAliveHandler(MotoRequestHandler):
+    """moto's request handler without werkzeug's ``Connection: close``."""
+
+    protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes; with Nagle's algorithm the
+    # second waits for the client's delayed ACK (40 ms) on a kept connection.
+    disable_nagle_algorithm = True
+
+    def send_header(self, keyword, value):
+        # werkzeug closes after every reply because it cannot drain a body
+        # the application left unread; Serialized reads every body whole.
+        # A chunked request still closes, as werkzeug would have it.
+        chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        if keyword.lower() == "connection" and value.lower() == "close" and not chunked:
+            return
+        super().send_header(keyword, value)
+
+
+class NothingLeftToDrain:
+    """Stands in for the ``selectors`` module in werkzeug.serving.
+
+    After each reply werkzeug reads whatever the client sent next until the
+    socket goes quiet, which is safe only because it then closes the
+    connection; on a kept-alive connection it would swallow the next request.
+    Serialized has read every framed body whole, so there is nothing to drain.
+    """
+
+    EVENT_READ = selectors.EVENT_READ
+
+    class DefaultSelector:
+        def register(self, *args):
+            pass
+
+        def select(self, timeout=None):
+            return []
+
+        def close(self):
+            pass
 
 
 def forget_order_on_resize(write):
@@ -214,13 +263,14 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("MOTO_PORT", str(args.port))
     linear_scans()
+    werkzeug.serving.selectors = NothingLeftToDrain
 
     # 200 clients connecting at once must not overflow the accept queue.
     ThreadedWSGIServer.request_queue_size = 1024
     ThreadedWSGIServer.daemon_threads = True
     app = Serialized(DomainDispatcherApplication(create_backend_app))
     server = make_server(
-        args.host, args.port, app, threaded=True, request_handler=MotoRequestHandler
+        args.host, args.port, app, threaded=True, request_handler=KeepAliveHandler
     )
 
     def stop(signum, frame):
