@@ -153,12 +153,15 @@ struct BenchArgs {
     /// Payments to send (each phase sends this many).
     #[arg(short = 'n', long, default_value_t = 1000)]
     requests: usize,
-    /// Requests in flight at once.
-    #[arg(short = 'c', long, default_value_t = 16)]
-    concurrency: usize,
+    /// Requests in flight at once; a comma-separated list measures each in turn.
+    #[arg(short = 'c', long, value_delimiter = ',', default_value = "16")]
+    concurrency: Vec<usize>,
     /// Where to write the figures (JSON).
     #[arg(long, default_value = "bench-results/front-door.json")]
     out: std::path::PathBuf,
+    /// Also draw throughput.png and cpu.png against concurrency into this directory.
+    #[arg(long)]
+    plots: Option<std::path::PathBuf>,
     /// The stores and rails of the same stack, for the floor loop.
     #[command(flatten)]
     keys: KeyStoreSettings,
@@ -407,19 +410,30 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         e1: RailClient::new("screening", &args.rails.e1_url, args.rails.rail_timeout, args.rails.rail_attempts),
         e2: RailClient::new("payment", &args.rails.e2_url, args.rails.rail_timeout, args.rails.rail_attempts),
     };
-    let plan = bench::front_door::BenchPlan {
-        url: args.url.clone(),
-        api_key: api_key.reveal().to_owned(),
-        requests: args.requests,
-        concurrency: args.concurrency,
-    };
-    let report = bench::front_door::run(&plan, &floor).await;
+    let mut runs = Vec::new();
+    for &concurrency in &args.concurrency {
+        let plan = bench::front_door::BenchPlan {
+            url: args.url.clone(),
+            api_key: api_key.reveal().to_owned(),
+            requests: args.requests,
+            concurrency,
+        };
+        let report = bench::front_door::run(&plan, &floor).await;
+        print!("{}", report.table());
+        runs.push(report);
+    }
+    let sweep = bench::front_door::Sweep { machine: bench::Machine::this(), runs };
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&args.out, serde_json::to_vec_pretty(&report)?)?;
-    print!("{}", report.table());
+    std::fs::write(&args.out, serde_json::to_vec_pretty(&sweep)?)?;
     println!("figures written to {}", args.out.display());
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir)?;
+        for path in bench::plot::draw(&sweep.runs, dir)? {
+            println!("plot drawn to {}", path.display());
+        }
+    }
     Ok(())
 }
 

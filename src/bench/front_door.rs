@@ -75,7 +75,14 @@ pub struct Report {
     pub replays_over_floor: f64,
 }
 
-/// Runs the three measurements.
+/// Every run of one `keyfence bench`, one per concurrency, and where it ran.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sweep {
+    pub machine: super::Machine,
+    pub runs: Vec<Report>,
+}
+
+/// Runs the four measurements at one concurrency.
 pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
     let http = reqwest::Client::new();
     let batch = Uuid::new_v4().simple().to_string();

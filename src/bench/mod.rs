@@ -1,12 +1,39 @@
 //! Benchmarks, as subcommands that write their figures to a file:
 //! [`front_door`] measures payments and replays against a running stack and
 //! the floor of its store and rail calls; [`reconcile`] measures how fast the
-//! reconciler compares and repairs, at several table sizes.
+//! reconciler compares and repairs, at several table sizes; [`plot`] draws
+//! the front door's figures against concurrency.
 
 pub mod front_door;
+pub mod plot;
 pub mod reconcile;
 
 use std::time::Duration;
+
+use serde::Serialize;
+
+/// The machine figures were taken on, written beside them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub cores: usize,
+    pub cpu: String,
+    pub os: String,
+}
+
+impl Machine {
+    pub fn this() -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|line| line.strip_prefix("model name")?.split_once(':').map(|(_, m)| m.trim().to_owned()))
+            .unwrap_or_else(|| std::env::consts::ARCH.to_owned());
+        Self {
+            cores: std::thread::available_parallelism().map_or(1, usize::from),
+            cpu,
+            os: std::env::consts::OS.to_owned(),
+        }
+    }
+}
 
 /// The `q` quantile of sorted latencies, in milliseconds.
 pub fn percentile(sorted: &[Duration], q: f64) -> f64 {

@@ -94,10 +94,8 @@ impl PaymentOperation {
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
         let rail = rail_result(cx.conn, cx.request, "ext2").await?;
         self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account)).await?;
-        payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
-        let payment = payments::payment(cx.conn, cx.request.payment_id)
-            .await?
-            .ok_or_else(|| EngineError::Fault("the payment row vanished".into()))?;
+        let payment =
+            payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
         let body = serde_json::to_vec(&payment).map_err(|e| EngineError::Fault(e.to_string()))?;
         let event = serde_json::json!({ "type": "payment.succeeded", "payment": payment });
         payments::enqueue_event(cx.conn, payment.id, "payment.succeeded", &event).await?;

@@ -177,8 +177,9 @@ impl<K: KeyStore> Engine<K> {
         let fence = attempt.holder.fence;
         let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &to).await?;
         let missing = || EngineError::Fault("outcome missing".into());
+        let points: Vec<&RecoveryPoint> = work.iter().map(Work::point).collect();
+        phase.record_points(&attempt.record, &points).await?;
         for item in work {
-            phase.record_point(&attempt.record, item.point()).await?;
             match item {
                 Work::Outcome(ext) => {
                     let verdict = outcome.ok_or_else(missing)?;

@@ -69,8 +69,8 @@ pub async fn insert_payment(
     Ok(())
 }
 
-/// Posts one balanced entry (the legs must sum to zero; the database
-/// refuses the commit otherwise).
+/// Posts one balanced entry, all its legs in one statement (the legs must
+/// sum to zero; the database refuses the commit otherwise).
 pub async fn post(
     conn: &mut PgConnection,
     payment_id: Uuid,
@@ -79,42 +79,44 @@ pub async fn post(
     legs: &[Leg<'_>],
     fence: Fence,
 ) -> Result<(), LedgerError> {
-    for leg in legs {
-        sqlx::query(
-            "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
-             VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(payment_id)
-        .bind(entry)
-        .bind(leg.account)
-        .bind(leg.amount_minor)
-        .bind(currency)
-        .bind(fence_param(fence))
-        .execute(&mut *conn)
-        .await?;
-    }
+    let accounts: Vec<&str> = legs.iter().map(|leg| leg.account).collect();
+    let amounts: Vec<i64> = legs.iter().map(|leg| leg.amount_minor).collect();
+    sqlx::query(
+        "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
+         SELECT $1, $2, account, amount, $5, $6 FROM unnest($3::text[], $4::bigint[]) AS leg(account, amount)",
+    )
+    .bind(payment_id)
+    .bind(entry)
+    .bind(accounts)
+    .bind(amounts)
+    .bind(currency)
+    .bind(fence_param(fence))
+    .execute(conn)
+    .await?;
     Ok(())
 }
 
-/// Moves a payment to `status`, keeping the rail's reference once known.
+/// Moves a payment to `status`, keeping the rail's reference once known;
+/// returns the payment as it now stands.
 pub async fn set_status(
     conn: &mut PgConnection,
     payment_id: Uuid,
     status: &str,
     rail_reference: Option<&str>,
     fence: Fence,
-) -> Result<(), LedgerError> {
-    sqlx::query(
+) -> Result<Payment, LedgerError> {
+    let query = format!(
         "UPDATE payments SET status = $2, rail_reference = coalesce($3, rail_reference), fence = $4, updated_at = now()
-          WHERE id = $1",
-    )
-    .bind(payment_id)
-    .bind(status)
-    .bind(rail_reference)
-    .bind(fence_param(fence))
-    .execute(conn)
-    .await?;
-    Ok(())
+          WHERE id = $1 RETURNING {COLUMNS}"
+    );
+    sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .bind(payment_id)
+        .bind(status)
+        .bind(rail_reference)
+        .bind(fence_param(fence))
+        .fetch_optional(conn)
+        .await?
+        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
 }
 
 /// Marks a payment rejected, keeping the reason code it was refused with.

@@ -51,17 +51,23 @@ impl Phase {
         &mut self.tx
     }
 
-    /// Notes that the request reached `point` in this phase. The primary key
-    /// of `phase_runs` makes a phase that already ran fail its transaction.
-    pub async fn record_point(&mut self, request: &RequestRecord, point: &RecoveryPoint) -> Result<(), LedgerError> {
+    /// Notes the recovery points the request passes in this phase, in one
+    /// statement. The primary key of `phase_runs` makes a phase that already
+    /// ran fail its transaction.
+    pub async fn record_points(
+        &mut self,
+        request: &RequestRecord,
+        points: &[&RecoveryPoint],
+    ) -> Result<(), LedgerError> {
+        let points: Vec<&str> = points.iter().map(|p| p.as_str()).collect();
         sqlx::query(
             "INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
-             VALUES ($1, $2, $3, $4, $5)",
+             SELECT $1, $2, $3, point, $5 FROM unnest($4::text[]) AS point",
         )
         .bind(request.key.client.as_uuid())
         .bind(request.key.key.as_str())
         .bind(timestamp(request.created_at))
-        .bind(point.as_str())
+        .bind(points)
         .bind(fence_param(self.fence))
         .execute(&mut *self.tx)
         .await?;

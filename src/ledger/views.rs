@@ -170,5 +170,5 @@ async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fen
         .execute(&mut *phase.conn())
         .await?;
     }
-    payments::set_status(phase.conn(), request.payment_id, "voided", None, fence).await
+    payments::set_status(phase.conn(), request.payment_id, "voided", None, fence).await.map(drop)
 }
