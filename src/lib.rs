@@ -20,9 +20,12 @@
 //! - [`http`]: the axum front door; validates input and calls the engine.
 //! - [`recovery`], [`reconcile`], [`expiry`]: the workers beside traffic:
 //!   resuming stale requests, repairing divergence, reaping expired keys.
+//! - [`batch`]: `keyfence pay --file`, paying a file's lines through the
+//!   client library (the `keyfence-client` crate) under deterministic keys.
 //! - [`config`], [`startup`], [`telemetry`], [`metrics`], [`bench`]: settings, building
 //!   the service, logs and trace export, Prometheus metrics, load measurement.
 
+pub mod batch;
 pub mod bench;
 pub mod clients;
 pub mod config;

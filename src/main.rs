@@ -14,7 +14,7 @@ use keyfence::ledger::Ledger;
 use keyfence::rail::RailClient;
 use keyfence::regions::{self, Changed, RegionState, RegionStore};
 use keyfence::startup::{Application, StartupError, shutdown_signal};
-use keyfence::{bench, rail, reconcile, recovery, startup, telemetry};
+use keyfence::{batch, bench, rail, reconcile, recovery, startup, telemetry};
 
 #[derive(Parser)]
 #[command(name = "keyfence", version, about = "Exactly-once payment requests across regions")]
@@ -49,6 +49,8 @@ enum Command {
     Recover(Box<RecoverArgs>),
     /// Compare the key store with this region's ledger; report, or repair with --repair.
     Reconcile(Box<ReconcileArgs>),
+    /// Pay every line of a CSV or JSON-lines file, exactly once even when run again.
+    Pay(Box<PayArgs>),
     /// Measure a running front door against the floor of its store and rail calls.
     Bench(Box<BenchArgs>),
     /// Measure the reconciler's scan and repair rates at several table sizes.
@@ -143,6 +145,36 @@ struct BenchReconcileArgs {
     keys: KeyStoreSettings,
     #[command(flatten)]
     ledger: LedgerSettings,
+}
+
+#[derive(Args)]
+struct PayArgs {
+    /// The payments: CSV with a header line, or JSON lines (.jsonl), with the fields
+    /// client_ref, amount_minor, currency, debtor_account, creditor_account,
+    /// end_to_end_id and remittance_info (may be empty).
+    #[arg(long)]
+    file: std::path::PathBuf,
+    /// The front door; comma-separate several regions' URLs to fail over in order.
+    #[arg(long, env = "KEYFENCE_URL", value_delimiter = ',', default_value = "http://127.0.0.1:8080")]
+    url: Vec<String>,
+    /// The client's API key.
+    #[arg(long = "api-key", env = "KEYFENCE_API_KEY", hide_env_values = true)]
+    api_key: String,
+    /// The file's id, part of every line's key (default: the SHA-256 of its bytes).
+    #[arg(long = "file-id")]
+    file_id: Option<String>,
+    /// Payments in flight at once.
+    #[arg(short = 'c', long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
+    concurrency: u16,
+    /// Where to write one CSV line per payment (default: FILE.results.csv).
+    #[arg(long)]
+    results: Option<std::path::PathBuf>,
+    /// How long a line may stay unsettled before it is reported pending (seconds).
+    #[arg(long = "deadline-secs", default_value_t = 60)]
+    deadline_secs: u64,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -297,6 +329,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Regions(RegionsCommand::Fail(args)) => done(declare(args, RegionState::Failed).await),
         Command::Regions(RegionsCommand::Restore(args)) => done(declare(args, RegionState::Active).await),
         Command::RailSim(args) => done(rail_sim(args).await),
+        Command::Pay(args) => pay(*args).await,
         Command::Bench(args) => done(bench(*args).await),
         Command::Recover(args) => done(recover(*args).await),
         Command::Reconcile(args) => reconcile(*args).await,
@@ -435,6 +468,36 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Exit status: 0 every line final, 1 some pending, 2 bad input (nothing sent
+/// when the file does not validate).
+async fn pay(args: PayArgs) -> anyhow::Result<ExitCode> {
+    let bytes = std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let file_id = batch::file::file_id(&bytes, args.file_id.as_deref());
+    let items = match batch::file::read(&args.file, &bytes, &file_id) {
+        Ok(items) => items,
+        Err(invalid) => {
+            eprintln!("keyfence pay: {} does not validate; nothing was sent.\n{invalid}", args.file.display());
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let mut results = args.file.clone().into_os_string();
+    results.push(".results.csv");
+    let submission = batch::Submission {
+        regions: args.url,
+        api_key: args.api_key,
+        concurrency: usize::from(args.concurrency),
+        deadline: std::time::Duration::from_secs(args.deadline_secs),
+        results: args.results.unwrap_or_else(|| results.into()),
+    };
+    let summary = batch::submit(items, file_id, &submission).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        println!("{summary}");
+    }
+    Ok(ExitCode::from(summary.exit_code()))
 }
 
 /// Exit status 2 when the settings cannot work together.

@@ -113,17 +113,17 @@ fn chart(
     panel: &Panel,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let highest = runs.iter().flat_map(|r| panel.series.iter().filter_map(|s| (s.value)(r))).fold(0.0_f64, f64::max);
-    let widest = runs.iter().map(|r| r.concurrency).max().unwrap_or(1).max(2) as f64;
+    let widest = runs.iter().map(|r| r.concurrency).max().unwrap_or(1).max(1) as f64;
     let mut chart = ChartBuilder::on(area)
         .caption(panel.title, ("sans-serif", 22))
         .margin(14)
         .x_label_area_size(44)
         .y_label_area_size(64)
-        .build_cartesian_2d((1.0..widest * 1.2).log_scale(), 0.0..(highest * 1.2).max(f64::EPSILON))?;
+        .build_cartesian_2d(0.0..widest * 1.08, 0.0..(highest * 1.2).max(f64::EPSILON))?;
     chart
         .configure_mesh()
         .light_line_style(WHITE)
-        .x_desc("requests in flight (log scale)")
+        .x_desc("requests in flight")
         .y_desc(axis)
         .x_label_formatter(&|c| format!("{c:.0}"))
         .label_style(("sans-serif", 14))

@@ -52,6 +52,10 @@ impl Ledger {
         let pool = PgPoolOptions::new()
             .max_connections(20)
             .acquire_timeout(ACQUIRE_TIMEOUT)
+            // No ping before each use: it is a round trip per phase, and a
+            // connection that died in the pool fails its first statement
+            // instead, which is a transient error (503) like any other.
+            .test_before_acquire(false)
             .connect_with(settings.database_url.options().clone())
             .await?;
         Ok(Self::new(pool))

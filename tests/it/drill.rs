@@ -203,7 +203,11 @@ async fn a_region_cut_off_from_the_key_table_while_running_changes_nothing_once_
     let urls = [a_url.clone(), b.url.clone()];
 
     let (paid, ()) = tokio::join!(stream(&app, &urls, 12), async {
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        // The partition falls while A has requests in flight.
+        let started = format!("{:?}", aws_sdk_dynamodb::types::AttributeValue::S("started".into()));
+        while !key_items(&app).await.values().any(|fields| fields[0] == started.as_str()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         proxy.hang();
         tokio::time::sleep(Duration::from_millis(2500)).await;
         declare(&app, RegionState::Failed).await;

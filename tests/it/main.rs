@@ -3,7 +3,9 @@
 //! One binary, many modules; every test makes its own table and database.
 
 mod app;
+mod batch;
 mod cli;
+mod client;
 mod clients;
 #[cfg(feature = "failpoints")]
 mod clock_skew;

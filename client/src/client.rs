@@ -1,0 +1,302 @@
+//! The client: one key per operation, retries that keep it, polling of
+//! pending payments, and failover from one region to the next.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use reqwest::{Response, StatusCode};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::OperationId;
+use crate::journal::{Journal, JournalError};
+use crate::types::{Accepted, Declined, Outcome, Payment, PaymentRequest, Problem, Receipt};
+
+/// Why a payment could not be made at all. None of these is a lost or
+/// unknown outcome: each means keyfence refused the request as it stands.
+#[derive(Debug, thiserror::Error)]
+pub enum PayError {
+    /// `422`: this key was used before with a different request. A
+    /// programming error on the caller's side: one operation, one request.
+    #[error("idempotency key {key} was already used for a different request: {detail}")]
+    KeyReused { key: String, detail: String },
+    /// `400`, `401`, `404`, `413` and the like: retrying cannot help.
+    #[error("keyfence refused the payment ({status}): {detail}")]
+    Refused { status: u16, detail: String },
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error("no journal: build the client with .journal(path) to pay by operation")]
+    NoJournal,
+}
+
+/// Builds a [`Client`].
+pub struct ClientBuilder {
+    regions: Vec<String>,
+    api_key: String,
+    journal: Option<PathBuf>,
+    deadline: Duration,
+    attempt_timeout: Duration,
+    min_delay: Duration,
+    max_delay: Duration,
+}
+
+impl ClientBuilder {
+    /// The journal file that keeps each operation's key (created if absent).
+    pub fn journal(mut self, path: impl Into<PathBuf>) -> Self {
+        self.journal = Some(path.into());
+        self
+    }
+
+    /// How long `pay` keeps trying before it answers `Pending` (default 60 s).
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// How long one attempt may take before it is abandoned and retried
+    /// with the same key (default 10 s).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
+        self
+    }
+
+    /// The shortest and longest pause between attempts (default 100 ms and
+    /// 5 s); a `Retry-After` longer than the pause wins.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.min_delay = min;
+        self.max_delay = max.max(min);
+        self
+    }
+
+    pub fn build(self) -> Result<Client, JournalError> {
+        let journal = self.journal.map(Journal::open).transpose()?;
+        let http = reqwest::Client::builder()
+            .timeout(self.attempt_timeout)
+            .build()
+            .expect("a client with a timeout and no TLS settings always builds");
+        Ok(Client {
+            inner: Arc::new(Inner {
+                regions: self.regions,
+                api_key: self.api_key,
+                http,
+                journal,
+                deadline: self.deadline,
+                backoff: ExponentialBuilder::default()
+                    .with_min_delay(self.min_delay)
+                    .with_max_delay(self.max_delay)
+                    .with_jitter()
+                    .without_max_times(),
+                current: AtomicUsize::new(0),
+            }),
+        })
+    }
+}
+
+/// A keyfence client. Cheap to clone; clones share the journal and the
+/// region currently in use.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    regions: Vec<String>,
+    api_key: String,
+    http: reqwest::Client,
+    journal: Option<Journal>,
+    deadline: Duration,
+    backoff: ExponentialBuilder,
+    /// The region requests go to; moves on when one fails.
+    current: AtomicUsize,
+}
+
+/// What one attempt at the front door came to.
+enum Step {
+    Done(Outcome, bool),
+    /// Worked on; poll this payment.
+    Accepted(Uuid),
+    /// Try again, after at least this long, here or in the next region.
+    Retry {
+        after: Option<Duration>,
+        next_region: bool,
+    },
+}
+
+impl Client {
+    /// A client of one region with its journal at `journal`.
+    pub fn new(base_url: &str, api_key: &str, journal: impl Into<PathBuf>) -> Result<Self, JournalError> {
+        Self::builder([base_url], api_key).journal(journal).build()
+    }
+
+    /// A client of these regions, tried in order.
+    pub fn builder<I, S>(regions: I, api_key: &str) -> ClientBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        ClientBuilder {
+            regions: regions.into_iter().map(|url| url.as_ref().trim_end_matches('/').to_owned()).collect(),
+            api_key: api_key.to_owned(),
+            journal: None,
+            deadline: Duration::from_secs(60),
+            attempt_timeout: Duration::from_secs(10),
+            min_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(5),
+        }
+    }
+
+    /// Pays `request` once for `operation`: the operation's key comes from
+    /// the journal (made and journalled first if it is new), and every
+    /// retry, in any region, after any crash, carries it.
+    pub async fn pay(&self, request: &PaymentRequest, operation: &OperationId) -> Result<Receipt, PayError> {
+        let journal = self.inner.journal.as_ref().ok_or(PayError::NoJournal)?;
+        let key = journal.key_for(operation)?;
+        self.pay_with_key(request, &key).await
+    }
+
+    /// Pays `request` under a key the caller derived and keeps itself (as
+    /// the batch channel does from a file's lines). The same key must never
+    /// carry a different request.
+    pub async fn pay_with_key(&self, request: &PaymentRequest, key: &str) -> Result<Receipt, PayError> {
+        let deadline = Instant::now() + self.inner.deadline;
+        let mut pauses = self.inner.backoff.build();
+        // The payment keyfence said it is working on, and whether to poll it.
+        let mut known: Option<Uuid> = None;
+        let mut polling = false;
+        loop {
+            let step = match known.filter(|_| polling) {
+                None => self.attempt(request, key).await?,
+                Some(id) => self.poll(id).await?,
+            };
+            let (after, next_region) = match step {
+                Step::Done(outcome, replayed) => {
+                    return Ok(Receipt { idempotency_key: key.to_owned(), outcome, replayed });
+                }
+                Step::Accepted(id) => {
+                    (known, polling) = (Some(id), true);
+                    (None, false)
+                }
+                Step::Retry { after, next_region } => {
+                    // A payment that stopped answering to polls is asked for
+                    // with its key again: that resumes it or replays it.
+                    polling = false;
+                    (after, next_region)
+                }
+            };
+            if next_region {
+                self.fail_over();
+            }
+            let pause = pauses.next().unwrap_or(self.inner.deadline).max(after.unwrap_or_default());
+            if Instant::now() + pause >= deadline {
+                let outcome = Outcome::Pending { payment_id: known };
+                return Ok(Receipt { idempotency_key: key.to_owned(), outcome, replayed: false });
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    fn region(&self) -> &str {
+        let regions = &self.inner.regions;
+        &regions[self.inner.current.load(Ordering::Relaxed) % regions.len().max(1)]
+    }
+
+    fn fail_over(&self) {
+        if self.inner.regions.len() > 1 {
+            self.inner.current.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    async fn attempt(&self, request: &PaymentRequest, key: &str) -> Result<Step, PayError> {
+        let sent = self
+            .inner
+            .http
+            .post(format!("{}/v1/payments", self.region()))
+            .bearer_auth(&self.inner.api_key)
+            .header("Idempotency-Key", key)
+            .json(request)
+            .send()
+            .await;
+        let response = match sent {
+            Ok(response) => response,
+            // Refused, reset or timed out: the attempt may or may not have
+            // reached keyfence, which is why the retry carries the same key.
+            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() }),
+        };
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        let status = response.status();
+        let after = retry_after(&response);
+        Ok(match status.as_u16() {
+            200 | 201 => match response.json::<Payment>().await {
+                Ok(payment) => Step::Done(Outcome::Succeeded { payment }, replayed),
+                Err(_) => Step::Retry { after: None, next_region: false },
+            },
+            202 => match response.json::<Accepted>().await {
+                Ok(accepted) => Step::Accepted(accepted.id),
+                Err(_) => Step::Retry { after: None, next_region: false },
+            },
+            402 => {
+                let declined: Option<Declined> = response.json().await.ok();
+                let (payment_id, reason) = declined
+                    .map(|d| (d.id, d.reason.or(d.detail).unwrap_or_else(|| "declined".into())))
+                    .unwrap_or((None, "declined".into()));
+                Step::Done(Outcome::Rejected { payment_id, reason }, replayed)
+            }
+            409 | 429 | 408 => Step::Retry { after, next_region: false },
+            503 => Step::Retry { after, next_region: true },
+            422 => return Err(PayError::KeyReused { key: key.to_owned(), detail: detail(response).await }),
+            400..=499 => return Err(PayError::Refused { status: status.as_u16(), detail: detail(response).await }),
+            _ => Step::Retry { after, next_region: false },
+        })
+    }
+
+    /// Asks how a payment that answered `202` stands.
+    async fn poll(&self, id: Uuid) -> Result<Step, PayError> {
+        let asked = self
+            .inner
+            .http
+            .get(format!("{}/v1/payments/{id}", self.region()))
+            .bearer_auth(&self.inner.api_key)
+            .send()
+            .await;
+        let response = match asked {
+            Ok(response) if response.status() == StatusCode::OK => response,
+            Ok(response) => {
+                let next_region = response.status() == StatusCode::SERVICE_UNAVAILABLE;
+                return Ok(Step::Retry { after: retry_after(&response), next_region });
+            }
+            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() }),
+        };
+        let Ok(payment) = response.json::<Payment>().await else {
+            return Ok(Step::Retry { after: None, next_region: false });
+        };
+        Ok(match payment.status.as_str() {
+            "succeeded" => Step::Done(Outcome::Succeeded { payment }, false),
+            "rejected" => {
+                let reason = payment.reason.clone().unwrap_or_else(|| "declined".into());
+                Step::Done(Outcome::Rejected { payment_id: Some(payment.id), reason }, false)
+            }
+            "pending" | "indeterminate" => Step::Accepted(id),
+            // Voided here because another region finished it: the key's
+            // answer says how.
+            _ => Step::Retry { after: None, next_region: false },
+        })
+    }
+}
+
+/// `Retry-After` in seconds, if the answer has one.
+fn retry_after(response: &Response) -> Option<Duration> {
+    let seconds = response.headers().get("retry-after")?.to_str().ok()?.trim().parse::<u64>().ok()?;
+    Some(Duration::from_secs(seconds))
+}
+
+/// A refusal's explanation, from its problem+json body.
+async fn detail(response: Response) -> String {
+    let status = response.status();
+    match response.json::<Problem>().await {
+        Ok(problem) => problem.detail.or(problem.title).unwrap_or_else(|| status.to_string()),
+        Err(_) => status.to_string(),
+    }
+}
