@@ -453,6 +453,16 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         };
         let report = bench::front_door::run(&plan, &floor).await;
         print!("{}", report.table());
+        for figures in [&report.payments, &report.replays] {
+            if figures.failures > 0 || figures.statuses.keys().any(|&status| status != 201) {
+                anyhow::bail!(
+                    "{} did not all answer 201 ({:?}, {} failed): these figures would not measure payments",
+                    figures.label,
+                    figures.statuses,
+                    figures.failures
+                );
+            }
+        }
         runs.push(report);
     }
     let sweep = bench::front_door::Sweep { machine: bench::Machine::this(), runs };

@@ -22,12 +22,24 @@ pub enum PayError {
     /// `422`: this key was used before with a different request. A
     /// programming error on the caller's side: one operation, one request.
     #[error("idempotency key {key} was already used for a different request: {detail}")]
-    KeyReused { key: String, detail: String },
+    KeyReused {
+        /// The key that was sent.
+        key: String,
+        /// keyfence's explanation.
+        detail: String,
+    },
     /// `400`, `401`, `404`, `413` and the like: retrying cannot help.
     #[error("keyfence refused the payment ({status}): {detail}")]
-    Refused { status: u16, detail: String },
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// keyfence's explanation.
+        detail: String,
+    },
+    /// The journal could not be read or written; nothing was sent.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// `pay` needs a journal to keep keys in; `pay_with_key` does not.
     #[error("no journal: build the client with .journal(path) to pay by operation")]
     NoJournal,
 }
@@ -71,6 +83,7 @@ impl ClientBuilder {
         self
     }
 
+    /// Opens the journal (if one was given) and makes the client.
     pub fn build(self) -> Result<Client, JournalError> {
         let journal = self.journal.map(Journal::open).transpose()?;
         let http = reqwest::Client::builder()

@@ -17,10 +17,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::OperationId;
 
+/// The journal could not be read or written: without it no key is safe to
+/// use, so nothing is sent.
 #[derive(Debug, thiserror::Error)]
 #[error("journal {path}: {source}")]
 pub struct JournalError {
+    /// The journal's file.
     pub path: PathBuf,
+    /// What the file system said.
     #[source]
     pub source: std::io::Error,
 }

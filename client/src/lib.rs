@@ -48,6 +48,8 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
+
 mod client;
 mod journal;
 mod types;
@@ -63,11 +65,13 @@ use std::fmt;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct OperationId(String);
 
+/// An operation id that is empty, too long, or holds control characters.
 #[derive(Debug, thiserror::Error)]
 #[error("an operation id is 1 to 200 printable characters")]
 pub struct InvalidOperationId;
 
 impl OperationId {
+    /// Checks and wraps the caller's name for an operation.
     pub fn new(id: impl Into<String>) -> Result<Self, InvalidOperationId> {
         let id = id.into();
         let printable = id.chars().all(|c| !c.is_control());
@@ -77,6 +81,7 @@ impl OperationId {
         Ok(Self(id))
     }
 
+    /// The name as given.
     pub fn as_str(&self) -> &str {
         &self.0
     }

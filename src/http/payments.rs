@@ -11,6 +11,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, require_json};
@@ -44,7 +45,13 @@ pub async fn create(
         canonical,
         operation: PaymentOperation::new(payment),
     };
-    respond(state.engine.submit(submission).await?)
+    // The work runs on a task of its own: a client that gives up waiting
+    // (or goes away) does not cut its payment off halfway, which would
+    // leave the key leased to nobody until the lease runs out.
+    let engine = state.engine.clone();
+    let work = tokio::spawn(async move { engine.submit(submission).await }.in_current_span());
+    let answer = work.await.map_err(|e| EngineError::Fault(format!("the payment's task ended: {e}")))??;
+    respond(answer)
 }
 
 /// Whether reading the body failed because the client took too long.

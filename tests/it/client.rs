@@ -108,6 +108,15 @@ async fn a_client_killed_after_its_first_attempt_pays_once_on_restart() {
     eventually("the first attempt reached the ledger", async || payments_for(&app, "KILLED-LATE").await == 1).await;
     dying.abort();
     let _ = dying.await;
+    // The front door finishes the payment though its client went away.
+    eventually("the payment finished without its client", async || {
+        instructions_for(&app, "KILLED-LATE").await == 1
+            && sqlx::query_scalar::<_, String>("SELECT status FROM payments WHERE end_to_end_id = 'KILLED-LATE'")
+                .fetch_one(app.db.ledger.pool())
+                .await
+                .is_ok_and(|status| status == "succeeded")
+    })
+    .await;
 
     let again = client(&[&app.url], &app.api_key, &journal).pay(&request("KILLED-LATE"), &operation).await.unwrap();
     assert!(succeeded(&again), "{again:?}");
@@ -178,4 +187,30 @@ async fn a_region_that_stops_serving_is_left_for_the_next_with_the_same_keys() {
         .unwrap();
     assert!(paid_in_b >= 1, "the second region finished some of them");
     assert_eq!(app.e2.statement().await.len(), 12, "one instruction per operation across both regions");
+}
+
+#[tokio::test]
+async fn a_decline_is_an_outcome_and_a_reused_key_a_programming_error() {
+    let app = spawn_app().await;
+    app.e2.set_rules(serde_json::json!({ "max_amount_minor": 1000 })).await;
+    let journal = journal_path();
+    let payer = client(&[&app.url], &app.api_key, &journal);
+
+    let declined = payer.pay(&request("TOO-MUCH"), &OperationId::new("too-much").unwrap()).await.unwrap();
+    match &declined.outcome {
+        Outcome::Rejected { payment_id, reason } => {
+            assert!(payment_id.is_some(), "{declined:?}");
+            assert!(!reason.is_empty());
+        }
+        other => panic!("a decline is a final outcome: {other:?}"),
+    }
+    assert_eq!(app.e2.declines().await.len(), 1, "declined once, not retried");
+
+    let mut other = request("TOO-MUCH");
+    other.amount_minor = 999;
+    match payer.pay_with_key(&other, &declined.idempotency_key).await {
+        Err(keyfence_client::PayError::KeyReused { key, .. }) => assert_eq!(key, declined.idempotency_key),
+        answer => panic!("the same key with another body is the caller's error: {answer:?}"),
+    }
+    assert_eq!(app.e2.statement().await.len(), 0, "nothing paid under the reused key");
 }
