@@ -8,6 +8,7 @@
 //! Data flows one way: callers (the HTTP layer, the recovery worker) call in;
 //! the engine calls the key store, the ledger and the rails.
 
+mod answers;
 mod derived_key;
 mod error;
 mod lease;
@@ -74,6 +75,8 @@ pub struct Engine<K> {
     rails: Rails,
     regions: RegionView,
     settings: EngineSettings,
+    /// Finished answers seen here, so a replay needs no key-store read.
+    answers: answers::Answers,
 }
 
 /// What a submission came to.
@@ -92,7 +95,7 @@ pub enum Answer {
 
 impl<K> Engine<K> {
     pub fn new(keys: K, ledger: Ledger, rails: Rails, regions: RegionView, settings: EngineSettings) -> Self {
-        Self { keys, ledger, rails, regions, settings }
+        Self { keys, ledger, rails, regions, settings, answers: answers::Answers::new() }
     }
 
     pub fn regions(&self) -> &RegionView {

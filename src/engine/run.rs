@@ -277,12 +277,17 @@ impl<K: KeyStore> Engine<K> {
             EngineError::Fault(format!("{} is finished but has no stored answer", attempt.record.key))
         })?;
         let finish = Finish { response: response.clone(), expires_at: Millis::now().plus(self.settings.retention) };
-        match self.keys.finish(&attempt.record.key, &attempt.holder, &finish).await {
-            Ok(_) => Ok(Answer::Final { response, replayed: false }),
+        let record = &attempt.record;
+        match self.keys.finish(&record.key, &attempt.holder, &finish).await {
+            Ok(_) => {
+                self.answers.remember(&record.key, &record.request_hash, &response, Some(finish.expires_at.as_secs()));
+                Ok(Answer::Final { response, replayed: false })
+            }
             Err(KeyStoreError::FencedOut(Some(item))) if item.state == KeyState::Finished => {
-                let response = item.response.ok_or_else(|| {
-                    EngineError::Fault(format!("{} is finished without an answer", attempt.record.key))
-                })?;
+                let response = item
+                    .response
+                    .ok_or_else(|| EngineError::Fault(format!("{} is finished without an answer", record.key)))?;
+                self.answers.remember(&item.key, &item.request_hash, &response, item.expires_at);
                 Ok(Answer::Final { response, replayed: true })
             }
             Err(KeyStoreError::FencedOut(_)) => Ok(Answer::InFlight { retry_after: Duration::from_secs(1) }),

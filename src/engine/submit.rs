@@ -5,7 +5,8 @@
 //! one is taken over (fence + 1) and resumed where it stopped. A request
 //! homed in a region declared failed is taken over at once and re-homed
 //! here; while this instance's own region is declared failed, it takes on
-//! nothing.
+//! nothing. A finished answer this instance already knows is replayed from
+//! memory, without asking the key store.
 
 use std::time::Duration;
 
@@ -34,6 +35,13 @@ impl<K: KeyStore> Engine<K> {
     pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
         self.check_region().await?;
         let now = Millis::now();
+        if let Some(known) = self.answers.recall(&submission.key, now) {
+            metrics::counter!("keyfence_replays_from_memory_total").increment(1);
+            if known.request_hash != submission.request_hash {
+                return Ok(Answer::Mismatch);
+            }
+            return Ok(Answer::Final { response: known.response.clone(), replayed: true });
+        }
         let claim = Claim {
             key: submission.key.clone(),
             request_hash: submission.request_hash.clone(),
@@ -75,6 +83,7 @@ impl<K: KeyStore> Engine<K> {
                 .response
                 .clone()
                 .ok_or_else(|| EngineError::Fault(format!("{} is finished without an answer", existing.key)))?;
+            self.answers.remember(&existing.key, &existing.request_hash, &response, existing.expires_at);
             return Ok(Answer::Final { response, replayed: true });
         }
         let in_flight = Answer::InFlight { retry_after: retry_after(existing, now) };

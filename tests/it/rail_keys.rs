@@ -12,7 +12,7 @@ use keyfence::keystore::KeyStore;
 use reqwest::StatusCode;
 use serde_json::Value;
 
-use crate::app::{TestRail, payment, spawn_app, spawn_app_on};
+use crate::app::{TestRail, payment, spawn_app, spawn_app_on, start_instance};
 use crate::reconcile::{lose_from_ledger, pay_once, reconcile};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,7 +52,11 @@ async fn a_key_reused_after_its_retention_is_a_new_payment() {
     let gone = app.get_as(&app.api_key, "/v1/idempotency-keys/reused-1").await;
     assert_eq!(gone.status(), StatusCode::NOT_FOUND, "an expired key is gone");
 
-    let again = app.pay("reused-1", &body).await;
+    // Days later, on an instance that does not remember the first answer
+    // (the first one's memory of it would have expired with the key; here
+    // only the store's copy was moved into the past).
+    let (later, _stop) = start_instance(&app.settings).await;
+    let again = app.try_pay_at(&later, &app.api_key, "reused-1", &body).await.unwrap();
     assert_eq!(again.status(), StatusCode::CREATED);
     assert!(again.headers().get("idempotent-replayed").is_none(), "a new payment, not a replay");
     let (first, second): (Value, Value) = (serde_json::from_slice(&first).unwrap(), again.json().await.unwrap());

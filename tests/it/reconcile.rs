@@ -83,8 +83,12 @@ fn pk(key: &ScopedKey) -> AttributeValue {
 }
 
 /// A replay through the front door: same status and bytes, marked replayed.
+/// A retry replays `bytes` from the key store: asked of a fresh instance,
+/// which has no answer of its own in memory.
 async fn assert_replays(app: &TestApp, key: &ScopedKey, bytes: &[u8]) {
-    let again = app.pay(key.key.as_str(), &payment(&format!("E2E-{}", key.key))).await;
+    let (fresh, _stop) = crate::app::start_instance(&app.settings).await;
+    let body = payment(&format!("E2E-{}", key.key));
+    let again = app.try_pay_at(&fresh, &app.api_key, key.key.as_str(), &body).await.unwrap();
     assert_eq!(again.status(), StatusCode::CREATED);
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(again.bytes().await.unwrap().to_vec(), bytes, "the replayed answer changed");
@@ -385,7 +389,12 @@ async fn a_key_claimed_twice_is_reported_as_worked_twice_and_left_for_a_person()
     let (key, _) = pay_once(&app, "twice-1").await;
     let client = app.keys.store.client();
     client.delete_item().table_name(app.keys.store.table()).key("pk", pk(&key)).send().await.unwrap();
-    let (_, again) = pay_once(&app, "twice-1").await;
+    // The retry reaches an instance that never saw the first answer (the
+    // one that gave it would replay it from memory).
+    let (fresh, _stop) = crate::app::start_instance(&app.settings).await;
+    let retry = app.try_pay_at(&fresh, &app.api_key, "twice-1", &payment("E2E-twice-1")).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    let again = retry.bytes().await.unwrap().to_vec();
     assert_eq!(app.count("payments").await, 2, "the retry paid again");
 
     let report = reconcile(&app, true).await;
