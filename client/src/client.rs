@@ -236,7 +236,8 @@ impl Client {
             Ok(response) => response,
             // Refused, reset or timed out: the attempt may or may not have
             // reached keyfence, which is why the retry carries the same key.
-            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() }),
+            // A region that refuses or stops answering is left for the next.
+            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() || e.is_timeout() }),
         };
         let replayed = response.headers().contains_key("idempotent-replayed");
         let status = response.status();
@@ -280,7 +281,7 @@ impl Client {
                 let next_region = response.status() == StatusCode::SERVICE_UNAVAILABLE;
                 return Ok(Step::Retry { after: retry_after(&response), next_region });
             }
-            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() }),
+            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() || e.is_timeout() }),
         };
         let Ok(payment) = response.json::<Payment>().await else {
             return Ok(Step::Retry { after: None, next_region: false });

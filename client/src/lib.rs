@@ -17,7 +17,7 @@
 //! - on `202` it polls the payment until its outcome is final or the
 //!   caller's deadline passes;
 //! - given several region URLs it sends to the first and moves to the next
-//!   on a connection failure or a `503`, with the same key.
+//!   on a connection failure, a timeout or a `503`, with the same key.
 //!
 //! The answer is a [`Receipt`]: the key used and an [`Outcome`]
 //! (succeeded, rejected with a reason, or still pending at the deadline).
