@@ -492,14 +492,17 @@ async fn pay(args: PayArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
-    let mut results = args.file.clone().into_os_string();
-    results.push(".results.csv");
+    let beside_the_file = || {
+        let mut results = args.file.clone().into_os_string();
+        results.push(".results.csv");
+        std::path::PathBuf::from(results)
+    };
     let submission = batch::Submission {
         regions: args.url,
         api_key: args.api_key,
         concurrency: usize::from(args.concurrency),
         deadline: std::time::Duration::from_secs(args.deadline_secs),
-        results: args.results.unwrap_or_else(|| results.into()),
+        results: args.results.unwrap_or_else(beside_the_file),
     };
     let summary = batch::submit(items, file_id, &submission).await?;
     if args.json {

@@ -33,7 +33,9 @@ pub struct Item {
     pub line: usize,
     pub client_ref: String,
     pub key: Uuid,
-    pub payment: PaymentRequest,
+    /// The payment as the client library sends it, checked by the front
+    /// door's rules.
+    pub payment: keyfence_client::PaymentRequest,
 }
 
 /// A file that did not validate: every problem found, by line.
@@ -132,7 +134,7 @@ fn whole(amount: &str) -> String {
 }
 
 /// The front door's own checks, and the line's key.
-fn check(row: Row, file_id: &str) -> Result<(String, Uuid, PaymentRequest), String> {
+fn check(row: Row, file_id: &str) -> Result<(String, Uuid, keyfence_client::PaymentRequest), String> {
     let client_ref = row.client_ref.trim().to_owned();
     if client_ref.is_empty() || client_ref.chars().any(char::is_control) {
         return Err("client_ref must be a non-empty reference without control characters".into());
@@ -155,8 +157,16 @@ fn check(row: Row, file_id: &str) -> Result<(String, Uuid, PaymentRequest), Stri
     if let Some(remittance) = row.remittance_info.filter(|r| !r.is_empty()) {
         body["remittance_info"] = remittance.into();
     }
-    let payment = PaymentRequest::parse(body)
+    let checked = PaymentRequest::parse(body)
         .map_err(|errors| errors.iter().map(|e| format!("{} {}", e.field, e.message)).collect::<Vec<_>>().join("; "))?;
+    let payment = keyfence_client::PaymentRequest {
+        amount_minor: checked.amount_minor,
+        currency: checked.currency,
+        debtor_account: checked.debtor_account,
+        creditor_account: checked.creditor_account,
+        end_to_end_id: checked.end_to_end_id,
+        remittance_info: checked.remittance_info,
+    };
     let key = Uuid::new_v5(&BATCH_NAMESPACE, format!("{file_id}:{client_ref}").as_bytes());
     Ok((client_ref, key, payment))
 }

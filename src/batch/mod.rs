@@ -98,15 +98,7 @@ pub async fn submit(items: Vec<Item>, file_id: String, how: &Submission) -> anyh
         .map(|item| {
             let client = client.clone();
             async move {
-                let request = keyfence_client::PaymentRequest {
-                    amount_minor: item.payment.amount_minor,
-                    currency: item.payment.currency.clone(),
-                    debtor_account: item.payment.debtor_account.clone(),
-                    creditor_account: item.payment.creditor_account.clone(),
-                    end_to_end_id: item.payment.end_to_end_id.clone(),
-                    remittance_info: item.payment.remittance_info.clone(),
-                };
-                let answer = client.pay_with_key(&request, &item.key.to_string()).await;
+                let answer = client.pay_with_key(&item.payment, &item.key.to_string()).await;
                 (item, answer)
             }
         })

@@ -109,6 +109,24 @@ impl DynamoKeyStore {
         s(key.partition_key())
     }
 
+    /// Sets the lease of the started item `holder` holds to end at `until`:
+    /// a heartbeat, or a hand-back with the lease at zero.
+    async fn set_lease(&self, key: &ScopedKey, holder: &Holder, until: Millis) -> Result<(), Failure> {
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .update_expression("SET #lease = :until")
+            .condition_expression(HELD_BY_ME)
+            .set_expression_attribute_names(Some(names_for(&["#lease", "#fence", "#owner", "#state"])))
+            .set_expression_attribute_values(Some(held_by(holder, [(":until", n(until.get()))])))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await
+            .map(|_| ())
+            .map_err(classify)
+    }
+
     /// Installs `owner` under fence `seen + 1` with a new lease, if the item
     /// is started, still at `seen`, and `when` holds. A condition failure
     /// that shows this very replacement already made (a retried request
@@ -251,20 +269,8 @@ impl KeyStore for DynamoKeyStore {
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
     async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "heartbeat")]);
-        let sent = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(attr::PK, Self::pk(key))
-            .update_expression("SET #lease = :until")
-            .condition_expression(HELD_BY_ME)
-            .set_expression_attribute_names(Some(names_for(&["#lease", "#fence", "#owner", "#state"])))
-            .set_expression_attribute_values(Some(held_by(holder, [(":until", n(lease.until().get()))])))
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match sent.map_err(classify) {
-            Ok(_) => Ok(lease.until()),
+        match self.set_lease(key, holder, lease.until()).await {
+            Ok(()) => Ok(lease.until()),
             Err(failure) => Err(fenced_out(failure)?),
         }
     }
@@ -329,20 +335,8 @@ impl KeyStore for DynamoKeyStore {
                 .await
                 .map(|_| ())
                 .map_err(classify),
-            Release::Reopen => self
-                .client
-                .update_item()
-                .table_name(&self.table)
-                .key(attr::PK, Self::pk(key))
-                .update_expression("SET #lease = :zero")
-                .condition_expression(HELD_BY_ME)
-                .set_expression_attribute_names(Some(names_for(&["#fence", "#owner", "#state", "#lease"])))
-                .set_expression_attribute_values(Some(held_by(holder, [(":zero", n(0))])))
-                .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-                .send()
-                .await
-                .map(|_| ())
-                .map_err(classify),
+            // A lease that ended long ago: the next actor resumes at once.
+            Release::Reopen => self.set_lease(key, holder, Millis::new(0)).await,
         };
         match sent {
             Ok(()) => Ok(()),
