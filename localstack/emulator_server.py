@@ -40,6 +40,7 @@ that table's faults. Two kinds:
 
 import argparse
 import bisect
+import collections
 import io
 import itertools
 import json
@@ -127,13 +128,45 @@ def reply(start_response, status, body, headers=()):
     return [data]
 
 
+class FairLock:
+    """A lock granted in the order it was asked for.
+
+    threading.Lock makes no promise of order: under steady load from a few
+    busy connections, a request arriving on another can wait for seconds,
+    which DynamoDB never does to anyone.
+    """
+
+    def __init__(self):
+        self._mutex = threading.Lock()
+        self._waiting = collections.deque()
+        self._held = False
+
+    def __enter__(self):
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return self
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiting.append(turn)
+        turn.acquire()  # released by the holder before us, which hands the lock on
+        return self
+
+    def __exit__(self, *exc):
+        with self._mutex:
+            if self._waiting:
+                self._waiting.popleft().release()
+            else:
+                self._held = False
+
+
 class Serialized:
-    """WSGI middleware that runs one request at a time, start to finish,
-    and applies the faults tests arm."""
+    """WSGI middleware that runs one request at a time, start to finish, in
+    the order they arrive, and applies the faults tests arm."""
 
     def __init__(self, app):
         self._app = app
-        self._lock = threading.Lock()
+        self._lock = FairLock()
         self._faults = Faults()
 
     def __call__(self, environ, start_response):
