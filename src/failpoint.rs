@@ -20,13 +20,39 @@ pub fn boundary(name: impl FnOnce() -> String) {
     #[cfg(feature = "failpoints")]
     {
         let name = name();
-        fail::fail_point!(&name, |_| {
-            eprintln!("failpoint {name}: aborting the process");
-            std::process::abort()
-        });
+        let eval = || {
+            fail::fail_point!(&name, |_| {
+                eprintln!("failpoint {name}: aborting the process");
+                std::process::abort()
+            })
+        };
+        if armed(&name) {
+            stalls_only_this_task(eval);
+        }
     }
     #[cfg(not(feature = "failpoints"))]
     let _ = name;
+}
+
+/// Whether the process armed the failpoint `name` (read once, after
+/// [`from_env`] ran at start-up).
+#[cfg(feature = "failpoints")]
+fn armed(name: &str) -> bool {
+    static ARMED: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    ARMED.get_or_init(|| fail::list().into_iter().map(|(name, _)| name).collect()).iter().any(|armed| armed == name)
+}
+
+/// Runs a failpoint's action so that a `sleep` stalls the task that met it,
+/// not the runtime thread under it: on a multi-threaded runtime the thread
+/// hands its other tasks (the I/O tasks of pooled connections among them)
+/// to another thread first.
+#[cfg(feature = "failpoints")]
+fn stalls_only_this_task(eval: impl FnOnce()) {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(eval),
+        _ => eval(),
+    }
 }
 
 /// How far this process's clock is set off, in milliseconds: in failpoints

@@ -62,9 +62,6 @@ impl ServeProcess {
     pub async fn start(app: &TestApp, failpoints: Option<&str>, recovery_ms: u64) -> Self {
         let mut command = keyfence_command(app, "serve");
         command.env("KEYFENCE_RECOVERY_INTERVAL_MS", recovery_ms.to_string());
-        // A `sleep` failpoint blocks the runtime thread it stalls: enough
-        // threads that the requests stalled at once never starve the rest.
-        command.env("TOKIO_WORKER_THREADS", "16");
         if let Some(failpoints) = failpoints {
             command.env("FAILPOINTS", failpoints);
         }
