@@ -71,8 +71,13 @@ async fn a_failed_regions_instance_takes_on_nothing_until_restored() {
     let health: Value = app.http.get(format!("{}/healthz", app.url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(health["region_state"], "failed");
     assert_eq!(app.key_items().await, 0, "nothing claimed");
+    let ready = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap();
+    assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE, "a failed region's instance is not ready");
+    assert_eq!(ready.json::<Value>().await.unwrap()["region_state"], "failed");
 
     declare(&app, "test-1", RegionState::Active).await;
+    let ready = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap();
+    assert_eq!(ready.status(), StatusCode::OK, "ready once restored");
     assert_eq!(app.pay("failed-region-1", &body).await.status(), StatusCode::CREATED, "serving again");
 }
 

@@ -95,8 +95,14 @@ async fn a_ledger_that_cannot_be_reached_is_a_503() {
     let cut = app.try_pay_at(&instance, &app.api_key, "no-ledger-1", &body).await.unwrap();
     assert_unavailable(cut, "ledger unreachable").await;
     assert!(!key_exists(&app, "no-ledger-1").await, "nothing claimed");
+    let ready = app.http.get(format!("{instance}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE, "not ready without its ledger");
+    let ready: Value = ready.json().await.unwrap();
+    assert_eq!((ready["key_table"].as_str(), ready["ledger"].as_str() != Some("ok")), (Some("ok"), true), "{ready}");
 
     proxy.heal();
+    let ready = app.http.get(format!("{instance}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), StatusCode::OK, "ready again");
     let healed = app.try_pay_at(&instance, &app.api_key, "no-ledger-1", &body).await.unwrap();
     assert_eq!(healed.status(), StatusCode::CREATED);
     assert_eq!(app.count("payments").await, 1);
