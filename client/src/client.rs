@@ -236,8 +236,7 @@ impl Client {
             Ok(response) => response,
             // Refused, reset or timed out: the attempt may or may not have
             // reached keyfence, which is why the retry carries the same key.
-            // A region that refuses or stops answering is left for the next.
-            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() || e.is_timeout() }),
+            Err(e) => return Ok(unanswered(&e)),
         };
         let replayed = response.headers().contains_key("idempotent-replayed");
         let status = response.status();
@@ -281,7 +280,7 @@ impl Client {
                 let next_region = response.status() == StatusCode::SERVICE_UNAVAILABLE;
                 return Ok(Step::Retry { after: retry_after(&response), next_region });
             }
-            Err(e) => return Ok(Step::Retry { after: None, next_region: e.is_connect() || e.is_timeout() }),
+            Err(e) => return Ok(unanswered(&e)),
         };
         let Ok(payment) = response.json::<Payment>().await else {
             return Ok(Step::Retry { after: None, next_region: false });
@@ -298,6 +297,12 @@ impl Client {
             _ => Step::Retry { after: None, next_region: false },
         })
     }
+}
+
+/// A request that got no answer is tried again; a region that refuses the
+/// connection or stops answering is left for the next.
+fn unanswered(error: &reqwest::Error) -> Step {
+    Step::Retry { after: None, next_region: error.is_connect() || error.is_timeout() }
 }
 
 /// `Retry-After` in seconds, if the answer has one.

@@ -5,10 +5,11 @@
 //! one call to each rail), and the raw replay floor (one key-store round
 //! trip of the kind a replay makes on an instance that has not seen its
 //! answer: a claim of an existing key, answered with the item), so the
-//! front door's own overhead is the ratio of each pair. The serve process's CPU time per request comes from its own
-//! `/metrics` (`process_cpu_seconds_total`, read before and after each
-//! phase). Figures go to a JSON file and a table on stdout; a progress bar
-//! shows on a terminal.
+//! front door's own overhead is the ratio of each pair. The serve process's
+//! CPU time per request comes from its own `/metrics`
+//! (`process_cpu_seconds_total`, read before and after each phase). Figures
+//! go to a JSON file and a table on stdout; a progress bar shows on a
+//! terminal.
 
 use std::collections::BTreeMap;
 use std::future::Future;

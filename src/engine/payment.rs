@@ -183,10 +183,7 @@ impl Operation for PaymentOperation {
         cx: &mut StepContext<'_>,
     ) -> Result<StoredResponse, EngineError> {
         self.transfer(cx, "release", &self.funds_awaiting(step), &self.debtor_account()).await?;
-        payments::reject(cx.conn, cx.request.payment_id, &declined.reason_code, cx.fence).await?;
-        let payment = payments::payment(cx.conn, cx.request.payment_id)
-            .await?
-            .ok_or_else(|| EngineError::Fault("the payment row vanished".into()))?;
+        let payment = payments::reject(cx.conn, cx.request.payment_id, &declined.reason_code, cx.fence).await?;
         let event = serde_json::json!({ "type": "payment.rejected", "payment": payment });
         payments::enqueue_event(cx.conn, payment.id, "payment.rejected", &event).await?;
         Ok(declined_answer(payment.id, step, declined))

@@ -119,21 +119,25 @@ pub async fn set_status(
         .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
 }
 
-/// Marks a payment rejected, keeping the reason code it was refused with.
-pub async fn reject(conn: &mut PgConnection, payment_id: Uuid, reason: &str, fence: Fence) -> Result<(), LedgerError> {
-    sqlx::query("UPDATE payments SET status = 'rejected', reason = $2, fence = $3, updated_at = now() WHERE id = $1")
+/// Marks a payment rejected, keeping the reason code it was refused with;
+/// returns the payment as it now stands.
+pub async fn reject(
+    conn: &mut PgConnection,
+    payment_id: Uuid,
+    reason: &str,
+    fence: Fence,
+) -> Result<Payment, LedgerError> {
+    let query = format!(
+        "UPDATE payments SET status = 'rejected', reason = $2, fence = $3, updated_at = now()
+          WHERE id = $1 RETURNING {COLUMNS}"
+    );
+    sqlx::query_as(sqlx::AssertSqlSafe(query))
         .bind(payment_id)
         .bind(reason)
         .bind(fence_param(fence))
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
-/// A payment read inside a phase (for building the final answer).
-pub async fn payment(conn: &mut PgConnection, id: Uuid) -> Result<Option<Payment>, LedgerError> {
-    let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1");
-    Ok(sqlx::query_as(sqlx::AssertSqlSafe(query)).bind(id).fetch_optional(conn).await?)
+        .fetch_optional(conn)
+        .await?
+        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
 }
 
 impl Ledger {
