@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::{Args, Parser};
 use sqlx::postgres::PgConnectOptions;
 
+use crate::domain::Retention;
 use crate::rail::RailClient;
 
 /// Where the key table lives and how the SDK talks to it.
@@ -147,6 +148,46 @@ mod tests {
     }
 
     #[test]
+    fn retention_takes_durations_and_still_hours() {
+        let parse = |args: &[&str]| {
+            #[derive(Parser)]
+            struct Only {
+                #[command(flatten)]
+                retention: RetentionSettings,
+            }
+            Only::try_parse_from(std::iter::once("keyfence").chain(args.iter().copied()))
+                .map(|only| only.retention.retention())
+        };
+        let day = Duration::from_secs(24 * 3600);
+        assert_eq!(parse(&[]).unwrap().keep, 3 * day, "72 hours by default");
+        assert_eq!(parse(&[]).unwrap().grace, Duration::from_secs(600), "ten minutes of grace by default");
+        assert_eq!(parse(&["--retention", "90s"]).unwrap().keep, Duration::from_secs(90));
+        assert_eq!(parse(&["--retention", "1h 30m"]).unwrap().keep, Duration::from_secs(5400));
+        assert_eq!(parse(&["--retention-hours", "24"]).unwrap().keep, day);
+        assert_eq!(parse(&["--retention-hours", "24", "--retention", "2h"]).unwrap().keep, day / 12);
+        assert_eq!(parse(&["--retention-grace", "45s"]).unwrap().grace, Duration::from_secs(45));
+        assert!(parse(&["--retention", "soon"]).is_err());
+        assert!(parse(&["--retention", "0s"]).is_err());
+    }
+
+    #[test]
+    fn a_grace_shorter_than_the_skew_leases_tolerate_is_refused() {
+        let engine = |args: &[&str]| {
+            #[derive(Parser)]
+            struct Only {
+                #[command(flatten)]
+                engine: EngineConfig,
+            }
+            Only::try_parse_from(std::iter::once("keyfence").chain(args.iter().copied())).unwrap().engine
+        };
+        assert!(engine(&[]).conflicts().is_empty());
+        let conflicts = engine(&["--retention-grace", "3s", "--lease-ms", "10000"]).conflicts();
+        assert_eq!(conflicts.len(), 1, "{conflicts:?}");
+        assert!(conflicts[0].contains("KEYFENCE_RETENTION_GRACE"), "{conflicts:?}");
+        assert!(engine(&["--retention-grace", "4s", "--lease-ms", "10000"]).conflicts().is_empty());
+    }
+
+    #[test]
     fn table_names_are_checked() {
         assert!(parse_table_name("keyfence-keys").is_ok());
         assert!(parse_table_name("k").is_err());
@@ -188,10 +229,52 @@ pub struct WorkSettings {
     #[arg(long = "max-unknown-attempts", env = "KEYFENCE_MAX_UNKNOWN_ATTEMPTS", default_value_t = 5,
           value_parser = clap::value_parser!(i32).range(1..))]
     pub max_unknown_attempts: i32,
-    /// How long finished keys are kept (and replayed), in hours.
-    #[arg(long = "retention-hours", env = "KEYFENCE_RETENTION_HOURS", default_value_t = 72,
+    #[command(flatten)]
+    pub retention: RetentionSettings,
+}
+
+/// How long finished keys are kept, and the margin for clock skew around
+/// the end of that time (see [`Retention`]).
+#[derive(Args, Clone, Debug)]
+pub struct RetentionSettings {
+    /// How long finished keys are kept and replayed: a duration such as 72h, 90m or 30s [default: 72h].
+    #[arg(long = "retention", env = "KEYFENCE_RETENTION", value_parser = parse_duration)]
+    pub retention: Option<Duration>,
+    /// The same, in whole hours (kept for older deployments; KEYFENCE_RETENTION wins when both are set).
+    #[arg(long = "retention-hours", env = "KEYFENCE_RETENTION_HOURS",
           value_parser = clap::value_parser!(u64).range(1..))]
-    pub retention_hours: u64,
+    pub retention_hours: Option<u64>,
+    /// Margin for clock skew: keys are deleted or claimed anew this long after their retention ends on
+    /// the deciding clock, and no longer replayed from memory this long before it.
+    #[arg(long = "retention-grace", env = "KEYFENCE_RETENTION_GRACE", default_value = "10m",
+          value_parser = parse_duration)]
+    pub grace: Duration,
+}
+
+impl RetentionSettings {
+    /// 72 hours and a 10-minute grace, unless set.
+    pub fn retention(&self) -> Retention {
+        let keep = self
+            .retention
+            .or(self.retention_hours.map(|hours| Duration::from_secs(hours * 3600)))
+            .unwrap_or(Duration::from_secs(72 * 3600));
+        Retention { keep, grace: self.grace }
+    }
+}
+
+impl Default for RetentionSettings {
+    fn default() -> Self {
+        Self { retention: None, retention_hours: None, grace: Duration::from_secs(600) }
+    }
+}
+
+/// A positive duration such as `72h`, `90s` or `1h 30m`.
+fn parse_duration(raw: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(raw) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        Ok(_) => Err("expected a positive duration".into()),
+        Err(e) => Err(format!("expected a duration such as 72h, 90m or 30s: {e}")),
+    }
 }
 
 /// What the engine works with: both stores, the rails, and how this
@@ -218,6 +301,17 @@ impl EngineConfig {
         let (rails, lease) = (&self.rails, self.work.lease);
         let longest = RailClient::longest_call(rails.rail_timeout, rails.rail_attempts);
         let mut conflicts = Vec::new();
+        let grace = self.work.retention.grace;
+        if grace * 3 < lease {
+            conflicts.push(format!(
+                "KEYFENCE_RETENTION_GRACE={} s is less than a third of KEYFENCE_LEASE_MS={}: the grace is the clock \
+                 skew keys tolerate at the end of their retention, and leases already tolerate a third of a lease; \
+                 raise the grace to at least {} ms",
+                grace.as_secs_f64(),
+                lease.as_millis(),
+                lease.as_millis().div_ceil(3),
+            ));
+        }
         if longest * 3 > lease {
             conflicts.push(format!(
                 "a call to a rail can take {} ms ({} attempts of KEYFENCE_RAIL_TIMEOUT_MS={} with backoff), more than a \

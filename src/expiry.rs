@@ -25,6 +25,9 @@ pub struct Options {
     pub segments: u32,
     /// Deletes per second at most.
     pub rate: u32,
+    /// A key is deleted only a grace after its retention ends on this
+    /// clock, so a clock running ahead cannot cut the retention short.
+    pub grace: Duration,
 }
 
 /// What one sweep did.
@@ -62,7 +65,7 @@ pub trait Progress: Sync {
 /// Sweeps the whole table once.
 pub async fn sweep<K: KeyStore>(keys: &K, options: Options, progress: &impl Progress) -> Report {
     let started = Instant::now();
-    let now = Millis::now();
+    let gone_before = Millis::now().minus(options.grace);
     let mut pace = tokio::time::interval(Duration::from_secs(1) / options.rate.max(1));
     pace.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let pace: Arc<Mutex<Interval>> = Arc::new(Mutex::new(pace));
@@ -86,10 +89,10 @@ pub async fn sweep<K: KeyStore>(keys: &K, options: Options, progress: &impl Prog
                     r.keys_scanned
                 };
                 progress.scanned(scanned);
-                for item in items.into_iter().filter(|item| item.expired(now)) {
+                for item in items.into_iter().filter(|item| item.expired(gone_before)) {
                     lock(&report).expired += 1;
                     pace.lock().await.tick().await;
-                    let deleted = keys.delete_expired(&item.key, now).await;
+                    let deleted = keys.delete_expired(&item.key, gone_before).await;
                     let mut r = lock(&report);
                     match deleted {
                         Ok(true) => {

@@ -10,7 +10,7 @@ use keyfence::clients::ClientStore;
 use keyfence::config::{EngineConfig, KeyStoreSettings, LedgerSettings, RailSettings, ServeSettings};
 use keyfence::domain::{ApiKey, Millis};
 use keyfence::keystore::{self, DynamoKeyStore, TableChange};
-use keyfence::ledger::Ledger;
+use keyfence::ledger::{FenceChange, Ledger};
 use keyfence::rail::RailClient;
 use keyfence::regions::{self, Changed, RegionState, RegionStore};
 use keyfence::startup::{Application, StartupError, shutdown_signal};
@@ -229,6 +229,8 @@ struct MaintainArgs {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
+    retention: keyfence::config::RetentionSettings,
+    #[command(flatten)]
     keys: KeyStoreSettings,
 }
 
@@ -241,6 +243,9 @@ enum RegionsCommand {
         /// The whole registry, with its history, as JSON.
         #[arg(long)]
         json: bool,
+        /// A region's ledger: show its own region fence too (failed or open, at which epoch).
+        #[arg(long = "ledger")]
+        ledger: Option<keyfence::config::DatabaseUrl>,
     },
     /// Declare a region failed: its instances stop claiming and committing
     /// within a second, and other regions take its requests over.
@@ -325,7 +330,9 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Clients(ClientsCommand::List { keys, json }) => done(list_clients(&keys, json).await),
         Command::Clients(ClientsCommand::Revoke { id, keys }) => done(revoke_client(id, &keys).await),
         Command::Maintain(args) => done(maintain(args).await),
-        Command::Regions(RegionsCommand::List { keys, json }) => done(list_regions(&keys, json).await),
+        Command::Regions(RegionsCommand::List { keys, json, ledger }) => {
+            done(list_regions(&keys, ledger.as_ref(), json).await)
+        }
         Command::Regions(RegionsCommand::Fail(args)) => done(declare(args, RegionState::Failed).await),
         Command::Regions(RegionsCommand::Restore(args)) => done(declare(args, RegionState::Active).await),
         Command::RailSim(args) => done(rail_sim(args).await),
@@ -551,7 +558,7 @@ async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
     );
     bar.0.enable_steady_tick(std::time::Duration::from_millis(120));
-    let options = keyfence::expiry::Options { segments: args.segments, rate: args.rate };
+    let options = keyfence::expiry::Options { segments: args.segments, rate: args.rate, grace: args.retention.grace };
     let report = keyfence::expiry::sweep(&keys, options, &bar).await;
     bar.0.finish_and_clear();
     if args.json {
@@ -563,13 +570,38 @@ async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn list_regions(keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {
+async fn list_regions(
+    keys: &KeyStoreSettings,
+    ledger: Option<&keyfence::config::DatabaseUrl>,
+    json: bool,
+) -> anyhow::Result<()> {
     let store = RegionStore::new(keystore::connect(keys).await, keys.table.clone());
     let registry = store.read().await.context("reading the region registry")?;
+    let fence = match ledger {
+        Some(url) => {
+            let ledger = Ledger::connect(&LedgerSettings { database_url: url.clone() })
+                .await
+                .with_context(|| format!("connecting to {url}"))?;
+            Some(ledger.region_fence().await.with_context(|| format!("reading the region fence of {url}"))?)
+        }
+        None => None,
+    };
     if json {
-        println!("{}", serde_json::to_string_pretty(&registry)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "registry": registry, "ledger_fence": fence }))?
+        );
     } else {
         print!("{}", registry.table());
+        if let Some(fence) = fence {
+            println!(
+                "ledger fence: {} for {} at epoch {}{}",
+                fence.state(),
+                fence.region.as_deref().unwrap_or("(never set)"),
+                fence.epoch,
+                fence.reason.filter(|r| !r.is_empty()).map(|r| format!(" ({r})")).unwrap_or_default()
+            );
+        }
     }
     Ok(())
 }
@@ -590,7 +622,7 @@ async fn declare(args: DeclareArgs, state: RegionState) -> anyhow::Result<()> {
             .unwrap_or_else(|_| "unknown".into());
         format!("{user}@{host}")
     });
-    let changed = regions::declare(&store, ledger.as_ref(), &args.region, state, &by, &args.reason).await?;
+    let (changed, fence) = regions::declare(&store, ledger.as_ref(), &args.region, state, &by, &args.reason).await?;
     match changed {
         Changed::Made(change) => println!(
             "region {} is now {} (epoch {}, by {}{})",
@@ -609,8 +641,18 @@ async fn declare(args: DeclareArgs, state: RegionState) -> anyhow::Result<()> {
         ),
         Changed::AlreadySo(None) => println!("region {} was already {}", args.region, state.as_str()),
     }
-    if args.ledger.is_some() {
-        println!("its ledger is {}", if state == RegionState::Failed { "fenced" } else { "open again" });
+    match fence {
+        Some(FenceChange::Set(_)) => {
+            println!("its ledger is {}", if state == RegionState::Failed { "fenced" } else { "open again" })
+        }
+        Some(FenceChange::Newer(fence)) => println!(
+            "its ledger follows a newer declaration (epoch {}: {}) and was left as it is",
+            fence.epoch,
+            fence.state()
+        ),
+        None => {
+            println!("its instances bring its ledger's fence in line within seconds (`regions list --ledger` shows it)")
+        }
     }
     Ok(())
 }

@@ -82,7 +82,7 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
         region: work.region.clone(),
         instance: work.instance.clone(),
         lease: work.lease,
-        retention: Duration::from_secs(work.retention_hours * 3600),
+        retention: work.retention.retention(),
         max_unknown_attempts: work.max_unknown_attempts,
     };
     Ok(Engine::new(keys, ledger, rails, regions, engine_settings))
@@ -132,9 +132,16 @@ impl Application {
             body_read: settings.body_timeout,
             max_connections: settings.max_connections,
         };
-        let expiry = Some(Duration::from_millis(settings.expire_interval_ms))
-            .filter(|d| !d.is_zero())
-            .map(|every| (every, expiry::Options { segments: 1, rate: settings.expire_rate }));
+        let expiry = Some(Duration::from_millis(settings.expire_interval_ms)).filter(|d| !d.is_zero()).map(|every| {
+            (
+                every,
+                expiry::Options {
+                    segments: 1,
+                    rate: settings.expire_rate,
+                    grace: settings.engine.work.retention.grace,
+                },
+            )
+        });
         Ok(Self { listener, router: router(state), engine, limits, recovery_interval, expiry })
     }
 
@@ -143,10 +150,18 @@ impl Application {
         self.listener.local_addr()
     }
 
-    /// Serves (and runs the recovery worker) until `shutdown` resolves,
-    /// then finishes in-flight requests.
+    /// Serves (and runs the recovery worker, the expiry sweeper and the
+    /// ledger fence's follower) until `shutdown` resolves, then finishes
+    /// in-flight requests.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let (stop, stopped) = tokio::sync::watch::channel(());
+        let follower = tokio::spawn(crate::regions::follow_registry(
+            self.engine.regions().clone(),
+            self.engine.ledger().clone(),
+            self.engine.region().to_owned(),
+            REGION_VIEW_AGE,
+            stopped.clone(),
+        ));
         let worker = self
             .recovery_interval
             .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped.clone())));
@@ -158,7 +173,7 @@ impl Application {
             drop(stop);
         })
         .await;
-        for task in worker.into_iter().chain(reaper) {
+        for task in worker.into_iter().chain(reaper).chain([follower]) {
             let _ = task.await;
         }
         served

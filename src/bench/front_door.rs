@@ -146,6 +146,7 @@ async fn replay_floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<
         owner: Owner::attempt_of("bench"),
         home_region: "bench".into(),
         lease: Lease { now: Millis::now(), length: Duration::from_secs(10) },
+        gone_before: Millis::now(),
     };
     match floor.keys.claim(&claim).await {
         Err(crate::keystore::KeyStoreError::Taken(Some(_))) => Ok(200),
@@ -166,6 +167,7 @@ async fn floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, St
         owner: Owner::attempt_of("bench"),
         home_region: "bench".into(),
         lease: Lease { now, length: Duration::from_secs(10) },
+        gone_before: now,
     };
     let item = floor.keys.claim(&claim).await.map_err(|e| e.to_string())?;
     for _ in 0..3 {

@@ -118,7 +118,7 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> Resu
             region: stores.region.to_owned(),
             instance: "bench".into(),
             lease: Duration::from_secs(10),
-            retention: Duration::from_secs(3600),
+            retention: crate::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
             max_unknown_attempts: 5,
         },
     );

@@ -25,6 +25,10 @@ impl Millis {
         Self(self.0.saturating_add(d.as_millis() as u64))
     }
 
+    pub fn minus(self, d: Duration) -> Self {
+        Self(self.0.saturating_sub(d.as_millis() as u64))
+    }
+
     /// Whole seconds, the unit of DynamoDB's time-to-live attribute.
     pub fn as_secs(self) -> u64 {
         self.0 / 1000

@@ -11,6 +11,7 @@ mod owner;
 mod payment;
 mod recovery_point;
 mod request_hash;
+mod retention;
 mod scoped_key;
 mod stored_response;
 
@@ -23,5 +24,6 @@ pub use owner::Owner;
 pub use payment::{FieldError, PaymentRequest, is_reference};
 pub use recovery_point::RecoveryPoint;
 pub use request_hash::RequestHash;
+pub use retention::Retention;
 pub use scoped_key::ScopedKey;
 pub use stored_response::StoredResponse;

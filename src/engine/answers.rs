@@ -5,14 +5,15 @@
 //! every owner write is conditioned on the item being started under that
 //! owner, takeovers and failovers only move started items, and the
 //! reconciler only recreates keys that are missing, with the answer the
-//! ledger stored. An entry is used only until the key's `expires_at`, the
-//! instant the key store itself starts treating the key as absent (so a key
-//! reused after its retention is claimed, and paid, anew). Bounded: the
-//! least recently used entries make room for new ones.
+//! ledger stored. An entry is used only until the retention's grace before
+//! the key's `expires_at` (see [`Retention`]): the key store starts treating
+//! the key as absent a grace after it, so even a clock running behind by up
+//! to the grace never replays a key that was since claimed, and paid, anew.
+//! Bounded: the least recently used entries make room for new ones.
 
 use std::sync::Arc;
 
-use crate::domain::{Millis, RequestHash, ScopedKey, StoredResponse};
+use crate::domain::{Millis, RequestHash, Retention, ScopedKey, StoredResponse};
 
 /// How many answers an instance keeps (a few kilobytes each at most).
 const CAPACITY: usize = 10_000;
@@ -48,10 +49,10 @@ impl Answers {
         }
     }
 
-    /// The answer kept for `key`, unless the key has expired by `now`.
-    pub fn recall(&self, key: &ScopedKey, now: Millis) -> Option<Arc<Known>> {
+    /// The answer kept for `key`, unless the key is too close to its end at `now`.
+    pub fn recall(&self, key: &ScopedKey, now: Millis, retention: &Retention) -> Option<Arc<Known>> {
         let known = self.cache.get(key)?;
-        if known.expires_at < now.as_secs() {
+        if !retention.replayable(known.expires_at, now) {
             self.cache.remove(key);
             return None;
         }
@@ -68,21 +69,23 @@ mod tests {
     use crate::domain::{ClientId, IdempotencyKey};
 
     #[test]
-    fn an_answer_is_recalled_until_its_key_expires_and_never_after() {
+    fn an_answer_is_recalled_until_a_grace_before_its_key_expires_and_never_after() {
         let answers = Answers::new();
+        let retention = Retention { keep: Duration::from_secs(60), grace: Duration::from_secs(10) };
         let key = ScopedKey::new(ClientId::generate(), IdempotencyKey::parse("k-1").unwrap());
         let hash = RequestHash::from_hex("ab".into());
         let response = StoredResponse { status: 201, headers: BTreeMap::new(), body: b"{}".to_vec() };
         let now = Millis::now();
-        let expires_at = now.plus(Duration::from_secs(60)).as_secs();
+        let expires_at = retention.expires_at(now).as_secs();
         answers.remember(&key, &hash, &response, Some(expires_at));
-        let known = answers.recall(&key, now).expect("kept");
+        let known = answers.recall(&key, now, &retention).expect("kept");
         assert_eq!((&known.request_hash, &known.response), (&hash, &response));
-        assert!(answers.recall(&key, now.plus(Duration::from_secs(61))).is_none(), "past its expiry");
-        assert!(answers.recall(&key, now).is_none(), "and forgotten");
+        assert!(answers.recall(&key, now.plus(Duration::from_secs(45)), &retention).is_some());
+        assert!(answers.recall(&key, now.plus(Duration::from_secs(51)), &retention).is_none(), "within the grace");
+        assert!(answers.recall(&key, now, &retention).is_none(), "and forgotten");
 
         let other = ScopedKey::new(ClientId::generate(), IdempotencyKey::parse("k-2").unwrap());
         answers.remember(&other, &hash, &response, None);
-        assert!(answers.recall(&other, now).is_none(), "a key without an expiry is not kept");
+        assert!(answers.recall(&other, now, &retention).is_none(), "a key without an expiry is not kept");
     }
 }

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::domain::StoredResponse;
+use crate::domain::{Retention, StoredResponse};
 use crate::ledger::Ledger;
 use crate::rail::RailClient;
 use crate::regions::RegionView;
@@ -61,8 +61,9 @@ pub struct EngineSettings {
     pub instance: String,
     /// How long a lease lasts without a heartbeat.
     pub lease: Duration,
-    /// How long a finished key is kept (its DynamoDB time-to-live).
-    pub retention: Duration,
+    /// How long a finished key is kept (its DynamoDB time-to-live), and
+    /// the margin for clock skew around its end.
+    pub retention: Retention,
     /// After this many attempts with an unknown outcome, a request is
     /// marked indeterminate and listed for settlement (it is still probed).
     pub max_unknown_attempts: i32,
@@ -116,7 +117,7 @@ impl<K> Engine<K> {
     }
 
     /// How long finished keys are kept.
-    pub fn retention(&self) -> Duration {
+    pub fn retention(&self) -> Retention {
         self.settings.retention
     }
 }

@@ -276,7 +276,8 @@ impl<K: KeyStore> Engine<K> {
         let response = self.ledger.answer(&attempt.record).await?.ok_or_else(|| {
             EngineError::Fault(format!("{} is finished but has no stored answer", attempt.record.key))
         })?;
-        let finish = Finish { response: response.clone(), expires_at: Millis::now().plus(self.settings.retention) };
+        let finish =
+            Finish { response: response.clone(), expires_at: self.settings.retention.expires_at(Millis::now()) };
         let record = &attempt.record;
         match self.keys.finish(&record.key, &attempt.holder, &finish).await {
             Ok(_) => {

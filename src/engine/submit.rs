@@ -35,7 +35,7 @@ impl<K: KeyStore> Engine<K> {
     pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
         self.check_region().await?;
         let now = Millis::now();
-        if let Some(known) = self.answers.recall(&submission.key, now) {
+        if let Some(known) = self.answers.recall(&submission.key, now, &self.settings.retention) {
             metrics::counter!("keyfence_replays_from_memory_total").increment(1);
             if known.request_hash != submission.request_hash {
                 return Ok(Answer::Mismatch);
@@ -50,6 +50,7 @@ impl<K: KeyStore> Engine<K> {
             owner: Owner::attempt_of(&self.settings.instance),
             home_region: self.settings.region.clone(),
             lease: Lease { now, length: self.settings.lease },
+            gone_before: self.settings.retention.gone_before(now),
         };
         let claimed = self.keys.claim(&claim).await;
         let outcome = if claimed.is_ok() { "won" } else { "existing" };

@@ -30,7 +30,7 @@ pub async fn show(
         .get(&ScopedKey::new(client, key))
         .await
         .map_err(EngineError::from)?
-        .filter(|item| !item.expired(Millis::now()))
+        .filter(|item| !item.expired(state.engine.retention().gone_before(Millis::now())))
         .ok_or(ApiError::NotFound)?;
     let created_at = crate::ledger::timestamp(item.created_at).format(&Rfc3339).ok();
     Ok(Json(json!({

@@ -48,18 +48,21 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok", "region": region, "region_state": registry.state_of(region).as_str() }))
 }
 
-/// Ready for traffic: the key table and the ledger answer, and this region
-/// is not declared failed. 503 with the reasons otherwise.
+/// Ready for traffic: the key table and the ledger answer, this region is
+/// not declared failed, and its ledger's region fence is open (a fenced
+/// ledger commits no phase). 503 with the reasons otherwise.
 async fn ready(State(state): State<AppState>) -> Response {
     let region = state.engine.region();
-    let (registry, ledger) = tokio::join!(state.engine.regions().fresh(), state.engine.ledger().ping());
+    let (registry, fence) = tokio::join!(state.engine.regions().fresh(), state.engine.ledger().region_fence());
     let key_table = registry.as_ref().map(|_| "ok".to_owned()).unwrap_or_else(|e| e.to_string());
     let region_state = registry.as_ref().map_or("unknown", |r| r.state_of(region).as_str());
-    let ledger = ledger.map(|()| "ok".to_owned()).unwrap_or_else(|e| e.to_string());
-    let ready = key_table == "ok" && ledger == "ok" && region_state == "active";
+    let ledger = fence.as_ref().map(|_| "ok".to_owned()).unwrap_or_else(|e| e.to_string());
+    let ledger_fence = fence.as_ref().ok().map(|f| serde_json::json!({ "state": f.state(), "epoch": f.epoch }));
+    let fence_open = fence.as_ref().is_ok_and(|f| !f.failed);
+    let ready = key_table == "ok" && fence_open && region_state == "active";
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = serde_json::json!({ "ready": ready, "region": region, "region_state": region_state,
-                                   "key_table": key_table, "ledger": ledger });
+                                   "key_table": key_table, "ledger": ledger, "ledger_fence": ledger_fence });
     (status, Json(body)).into_response()
 }
 

@@ -222,7 +222,7 @@ impl KeyStore for DynamoKeyStore {
             .condition_expression(ABSENT_OR_EXPIRED)
             .set_expression_attribute_names(Some(names_for(&["#state", "#expires"])))
             .expression_attribute_values(":finished", s(KeyState::Finished.as_str()))
-            .expression_attribute_values(":now", n(claim.lease.now.as_secs()))
+            .expression_attribute_values(":now", n(claim.gone_before.as_secs()))
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
@@ -349,7 +349,7 @@ impl KeyStore for DynamoKeyStore {
         }
     }
     #[tracing::instrument(skip_all, fields(pk = %key))]
-    async fn delete_expired(&self, key: &ScopedKey, now: Millis) -> Result<bool, KeyStoreError> {
+    async fn delete_expired(&self, key: &ScopedKey, gone_before: Millis) -> Result<bool, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "delete_expired")]);
         let sent = self
             .client
@@ -359,7 +359,7 @@ impl KeyStore for DynamoKeyStore {
             .condition_expression("#state = :finished AND #expires < :now")
             .set_expression_attribute_names(Some(names_for(&["#state", "#expires"])))
             .expression_attribute_values(":finished", s(KeyState::Finished.as_str()))
-            .expression_attribute_values(":now", n(now.as_secs()))
+            .expression_attribute_values(":now", n(gone_before.as_secs()))
             .send()
             .await;
         match sent.map_err(classify) {

@@ -112,11 +112,12 @@ impl KeyItem {
         Holder { fence: self.fence, owner: self.owner.clone() }
     }
 
-    /// Past its retention at `now`: a finished item whose time-to-live has
-    /// run out. DynamoDB reaps such items lazily (up to days later), so
-    /// everyone treats it as absent from that second on.
-    pub fn expired(&self, now: Millis) -> bool {
-        self.state == KeyState::Finished && self.expires_at.is_some_and(|at| at < now.as_secs())
+    /// Past its retention: a finished item whose `expires_at` lies before
+    /// `gone_before` (its deciding clock's now less the retention's grace,
+    /// [`crate::domain::Retention::gone_before`]). DynamoDB reaps such items
+    /// lazily (up to days later), so everyone treats it as absent from then on.
+    pub fn expired(&self, gone_before: Millis) -> bool {
+        self.state == KeyState::Finished && self.expires_at.is_some_and(|at| at < gone_before.as_secs())
     }
 
     /// Whether `holder` holds this item and it is still in flight.

@@ -33,7 +33,7 @@ fn fenced_out(current: Option<&KeyItem>) -> KeyStoreError {
 
 impl KeyStore for MemoryKeyStore {
     async fn claim(&self, claim: &Claim) -> Result<KeyItem, KeyStoreError> {
-        let live = |item: &&KeyItem| !item.expired(claim.lease.now);
+        let live = |item: &&KeyItem| !item.expired(claim.gone_before);
         self.with_items(|items| match items.get(&claim.key.partition_key()).filter(live) {
             Some(existing) if existing.owner == claim.owner && existing.fence == Fence::FIRST => Ok(existing.clone()),
             Some(existing) => Err(KeyStoreError::Taken(Some(Box::new(existing.clone())))),
@@ -141,10 +141,10 @@ impl KeyStore for MemoryKeyStore {
         })
     }
 
-    async fn delete_expired(&self, key: &ScopedKey, now: Millis) -> Result<bool, KeyStoreError> {
+    async fn delete_expired(&self, key: &ScopedKey, gone_before: Millis) -> Result<bool, KeyStoreError> {
         self.with_items(|items| {
             let pk = key.partition_key();
-            let expired = items.get(&pk).is_some_and(|item| item.expired(now));
+            let expired = items.get(&pk).is_some_and(|item| item.expired(gone_before));
             if expired {
                 items.remove(&pk);
             }

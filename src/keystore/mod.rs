@@ -55,6 +55,9 @@ pub struct Claim {
     pub owner: Owner,
     pub home_region: String,
     pub lease: Lease,
+    /// An existing item finished with an `expires_at` before this instant is
+    /// past its retention and claimed over ([`crate::domain::Retention::gone_before`]).
+    pub gone_before: Millis,
 }
 
 /// Who holds a started item: the fence it was granted and the identity of
@@ -96,7 +99,7 @@ pub enum Release {
 /// as it stood, so a loser learns the current state without a second read.
 pub trait KeyStore: Send + Sync {
     /// Creates the item if the key was never seen, or if its item is past
-    /// its retention ([`KeyItem::expired`]): a new request, with a new
+    /// its retention as of `claim.gone_before` ([`KeyItem::expired`]): a new request, with a new
     /// payment id and fence 1. A loser gets `Taken(existing)` from the same
     /// round trip.
     fn claim(&self, claim: &Claim) -> impl Future<Output = Result<KeyItem, KeyStoreError>> + Send;
@@ -152,10 +155,14 @@ pub trait KeyStore: Send + Sync {
         how: Release,
     ) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
 
-    /// Deletes the item if it is finished and past its retention at `now`
-    /// (for tables without a time-to-live of their own). False if it is not
-    /// (any more): gone, or claimed again meanwhile.
-    fn delete_expired(&self, key: &ScopedKey, now: Millis) -> impl Future<Output = Result<bool, KeyStoreError>> + Send;
+    /// Deletes the item if it is finished and its `expires_at` lies before
+    /// `gone_before` (for tables without a time-to-live of their own). False
+    /// if it does not (any more): gone, or claimed again meanwhile.
+    fn delete_expired(
+        &self,
+        key: &ScopedKey,
+        gone_before: Millis,
+    ) -> impl Future<Output = Result<bool, KeyStoreError>> + Send;
 
     /// A strongly consistent read of the item.
     fn get(&self, key: &ScopedKey) -> impl Future<Output = Result<Option<KeyItem>, KeyStoreError>> + Send;

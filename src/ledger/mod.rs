@@ -1,7 +1,8 @@
 //! The regional ledger on PostgreSQL: requests with their fence and recovery
 //! point, payments, double-entry postings and external-call records. The
 //! schema lives in `migrations/`; the one rule every write obeys lives in
-//! `phase`: a phase is a transaction that first proves its fence is current.
+//! `phase`: a phase is a transaction that first proves its fence is current
+//! (and that the region's own fence, [`region_fence`], is open).
 //! [`payments`] and [`external`] are the writes phases make.
 
 mod clients;
@@ -9,6 +10,7 @@ mod error;
 pub mod external;
 pub mod payments;
 mod phase;
+mod region_fence;
 pub mod views;
 
 use sqlx::migrate::Migrator;
@@ -20,6 +22,7 @@ use crate::domain::Millis;
 
 pub use error::LedgerError;
 pub use phase::{Adoption, Phase, RequestRecord};
+pub use region_fence::{FenceChange, RegionFence};
 
 /// How long to wait for a connection: an unreachable database fails
 /// start-up in seconds, and an exhausted pool is reported as unavailable.
@@ -78,12 +81,6 @@ impl Ledger {
         &self.pool
     }
 
-    /// One round trip: the ledger answers.
-    pub async fn ping(&self) -> Result<(), LedgerError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
-    }
-
     async fn applied_versions(&self) -> Result<Vec<i64>, LedgerError> {
         let exists: bool =
             sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&self.pool).await?;
@@ -93,30 +90,6 @@ impl Ledger {
         Ok(sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
             .fetch_all(&self.pool)
             .await?)
-    }
-}
-
-impl Ledger {
-    /// Fences this ledger's region as failed at registry epoch `epoch`:
-    /// waits for the phases in flight, and refuses every later one.
-    pub async fn fence_region(&self, region: &str, epoch: u64, reason: &str) -> Result<(), LedgerError> {
-        self.set_region_fence(true, region, epoch, reason).await
-    }
-
-    /// Lifts the fence, when the region is restored.
-    pub async fn unfence_region(&self, region: &str, epoch: u64, reason: &str) -> Result<(), LedgerError> {
-        self.set_region_fence(false, region, epoch, reason).await
-    }
-
-    async fn set_region_fence(&self, failed: bool, region: &str, epoch: u64, reason: &str) -> Result<(), LedgerError> {
-        sqlx::query("UPDATE region_fence SET failed = $1, region = $2, epoch = $3, reason = $4, changed_at = now()")
-            .bind(failed)
-            .bind(region)
-            .bind(i64::try_from(epoch).unwrap_or(i64::MAX))
-            .bind(reason)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
     }
 }
 

@@ -119,6 +119,17 @@ pub async fn set_status(
         .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
 }
 
+/// Marks a payment voided, if it has a row (a request whose first phase
+/// never committed has none).
+pub async fn mark_voided(conn: &mut PgConnection, payment_id: Uuid, fence: Fence) -> Result<(), LedgerError> {
+    sqlx::query("UPDATE payments SET status = 'voided', fence = $2, updated_at = now() WHERE id = $1")
+        .bind(payment_id)
+        .bind(fence_param(fence))
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 /// Marks a payment rejected, keeping the reason code it was refused with;
 /// returns the payment as it now stands.
 pub async fn reject(

@@ -7,8 +7,9 @@
 //! is then dropped, so nothing the caller would have written survives. The
 //! row stays locked until commit, so an older owner cannot slip a write in
 //! between the check and the business writes that follow it. The same
-//! statement reads the ledger's region fence under a share lock: a ledger
-//! whose region was declared failed commits nothing more.
+//! statement reads the ledger's region fence, under the advisory lock the
+//! transaction took as it began ([`super::region_fence`]): a ledger whose
+//! region was declared failed commits nothing more.
 
 use std::collections::BTreeMap;
 
@@ -116,8 +117,8 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
 
 /// The first phase: insert the row at its first recovery point, or move a
 /// row adopted at `STARTED` ($10) there. Like every phase it first reads
-/// the region fence under a share lock, in the same statement.
-const FIRST_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence FOR SHARE)
+/// the region fence, in the same statement.
+const FIRST_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence)
      INSERT INTO requests AS r
         (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
      SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
@@ -198,12 +199,12 @@ impl Ledger {
         to: &RecoveryPoint,
     ) -> Result<Phase, LedgerError> {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(super::region_fence::BEGIN_PHASE).await?;
         let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
             insert_row(FIRST_PHASE, request, fence, to).bind(from.as_str()).fetch_optional(&mut *tx).await?
         } else {
             sqlx::query(
-                "WITH fence AS (SELECT failed FROM region_fence FOR SHARE)
+                "WITH fence AS (SELECT failed FROM region_fence)
                  UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
                   WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
                     AND fence <= $4 AND recovery_point = $6

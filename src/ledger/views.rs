@@ -140,7 +140,9 @@ impl Ledger {
 
     /// Voids what this ledger holds of a request another owner finished:
     /// every posting is reversed by a compensating entry (history is never
-    /// deleted), the payment is marked voided and the request `VOIDED`.
+    /// deleted), the payment (if a phase ever created it) is marked voided
+    /// and the request `VOIDED`. A request adopted by a takeover that was
+    /// fenced before its first phase has no payment and nothing to reverse.
     pub async fn void(&self, request: &RequestRecord, fence: Fence, from: &RecoveryPoint) -> Result<(), LedgerError> {
         let mut phase = self.begin_phase(request, fence, from, &RecoveryPoint::VOIDED).await?;
         reverse_postings(&mut phase, request, fence).await?;
@@ -170,5 +172,5 @@ async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fen
         .execute(&mut *phase.conn())
         .await?;
     }
-    payments::set_status(phase.conn(), request.payment_id, "voided", None, fence).await.map(drop)
+    payments::mark_voided(phase.conn(), request.payment_id, fence).await
 }

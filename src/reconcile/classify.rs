@@ -71,7 +71,8 @@ pub struct Thresholds {
     pub stale_after: Duration,
     /// An outcome unknown for longer than this needs settling.
     pub unknown_after: Duration,
-    /// How long finished keys are kept: past it, a key is meant to be gone.
+    /// How long finished keys are kept, with the grace after it: past it, a
+    /// key is meant to be gone.
     pub retention: Duration,
 }
 

@@ -71,9 +71,9 @@ pub async fn run<K: KeyStore>(
         now: Millis::now(),
         stale_after: options.stale_after,
         unknown_after: options.unknown_after,
-        retention: engine.retention(),
+        retention: engine.retention().keep + engine.retention().grace,
     };
-    let now = thresholds.now;
+    let gone_before = engine.retention().gone_before(thresholds.now);
     let found: Mutex<Vec<Found>> = Mutex::default();
     let seen: Mutex<HashSet<RequestId>> = Mutex::default();
     let scanned = Mutex::new(0_usize);
@@ -92,7 +92,9 @@ pub async fn run<K: KeyStore>(
                 // store has reaped it yet.
                 let items: Vec<KeyItem> = items
                     .into_iter()
-                    .filter(|i| i.created_at >= options.since && i.created_at < options.until && !i.expired(now))
+                    .filter(|i| {
+                        i.created_at >= options.since && i.created_at < options.until && !i.expired(gone_before)
+                    })
                     .collect();
                 let wanted: Vec<_> = items.iter().map(|i| (i.key.clone(), i.created_at)).collect();
                 let asked = Instant::now();
@@ -139,7 +141,8 @@ pub async fn run<K: KeyStore>(
         let kind = classify_orphan(&view, &thresholds);
         if orphan && kind != Orphan::Voided {
             let ours = format!("ledger at {} under fence {}", view.recovery_point, view.fence);
-            let (class, evidence) = match engine.keys().get(&view.record.key).await?.filter(|i| !i.expired(now)) {
+            let (class, evidence) = match engine.keys().get(&view.record.key).await?.filter(|i| !i.expired(gone_before))
+            {
                 Some(item) if item.created_at == view.record.created_at => (None, String::new()),
                 _ if kind == Orphan::Expired => {
                     expired += 1;

@@ -191,7 +191,7 @@ async fn restore_key<K: KeyStore>(engine: &Engine<K>, ledger: &LedgerView) -> Re
         created_at: ledger.record.created_at,
         payment_id: ledger.record.payment_id,
         response: if finished { ledger.answer.clone() } else { None },
-        expires_at: finished.then(|| Millis::now().plus(engine.retention()).as_secs()),
+        expires_at: finished.then(|| engine.retention().expires_at(Millis::now()).as_secs()),
     };
     Ok(match engine.keys().restore(&item).await {
         Ok(()) if finished => Acted::Done("recreated the finished key with the ledger's answer".into()),

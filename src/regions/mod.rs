@@ -10,6 +10,7 @@
 //! instances stop claiming and committing within that delay); decisions
 //! that move a request to another region read it fresh.
 
+mod follow;
 mod store;
 mod view;
 
@@ -18,8 +19,9 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::domain::Millis;
-use crate::ledger::{Ledger, LedgerError};
+use crate::ledger::{FenceChange, Ledger, LedgerError};
 
+pub use follow::follow_registry;
 pub use store::{Changed, RegionStore, RegionsError};
 pub use view::RegionView;
 
@@ -115,8 +117,11 @@ pub enum DeclareError {
 
 /// Declares `region` failed or active again: one conditional write on the
 /// registry, then, when the SRE can still reach the region's ledger, the
-/// same state in that ledger's fence, so its phases stop (or resume) in
-/// the same transaction that would commit them.
+/// same state in that ledger's fence (unless the ledger already follows a
+/// newer declaration), so its phases stop (or resume) in the same
+/// transaction that would commit them. Without the ledger, the region's own
+/// instances bring its fence in line within a second or so
+/// ([`follow_registry`]).
 pub async fn declare(
     store: &RegionStore,
     ledger: Option<&Ledger>,
@@ -124,18 +129,14 @@ pub async fn declare(
     state: RegionState,
     by: &str,
     reason: &str,
-) -> Result<Changed, DeclareError> {
+) -> Result<(Changed, Option<FenceChange>), DeclareError> {
     let changed = store.change(region, state, by, reason).await?;
-    if let Some(ledger) = ledger {
-        let epoch = match &changed {
-            Changed::Made(change) => change.epoch,
-            Changed::AlreadySo(change) => change.as_ref().map_or(0, |c| c.epoch),
-        };
-        let fenced = match state {
-            RegionState::Failed => ledger.fence_region(region, epoch, reason).await,
-            RegionState::Active => ledger.unfence_region(region, epoch, reason).await,
-        };
-        fenced.map_err(|source| DeclareError::Ledger { state: state.as_str(), epoch, source })?;
-    }
-    Ok(changed)
+    let Some(ledger) = ledger else { return Ok((changed, None)) };
+    let epoch = match &changed {
+        Changed::Made(change) => change.epoch,
+        Changed::AlreadySo(change) => change.as_ref().map_or(0, |c| c.epoch),
+    };
+    let fenced = ledger.set_region_fence(state == RegionState::Failed, region, epoch, reason).await;
+    let fenced = fenced.map_err(|source| DeclareError::Ledger { state: state.as_str(), epoch, source })?;
+    Ok((changed, Some(fenced)))
 }

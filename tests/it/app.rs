@@ -133,7 +133,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
                 instance: "test".into(),
                 lease: Duration::from_secs(10),
                 max_unknown_attempts: 5,
-                retention_hours: 72,
+                retention: Default::default(),
             },
         },
         listen: "127.0.0.1:0".parse().unwrap(),

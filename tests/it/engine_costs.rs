@@ -72,9 +72,9 @@ impl<K: KeyStore> KeyStore for Counting<K> {
         self.note("release");
         self.inner.release(key, holder, how).await
     }
-    async fn delete_expired(&self, key: &ScopedKey, now: Millis) -> Result<bool, KeyStoreError> {
+    async fn delete_expired(&self, key: &ScopedKey, gone_before: Millis) -> Result<bool, KeyStoreError> {
         self.note("delete_expired");
-        self.inner.delete_expired(key, now).await
+        self.inner.delete_expired(key, gone_before).await
     }
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         self.note("get");
@@ -113,7 +113,7 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
         region: "test-1".into(),
         instance: "test".into(),
         lease: Duration::from_secs(30),
-        retention: Duration::from_secs(3600),
+        retention: keyfence::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
         max_unknown_attempts: 5,
     };
     let regions = RegionView::new(RegionStore::new(keys.store.client().clone(), keys.store.table()), REGION_VIEW_AGE);

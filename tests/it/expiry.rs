@@ -1,7 +1,7 @@
 //! Expiry without a table time-to-live (the emulator never reaps, as a
 //! strongly consistent global table would not): `keyfence maintain
-//! --expire` deletes finished keys past their retention and touches
-//! nothing else, neither a key still within it nor one in flight.
+//! --expire` deletes finished keys past their retention and its grace, and
+//! touches nothing else, neither a key still within them nor one in flight.
 
 use std::time::Duration;
 
@@ -14,7 +14,8 @@ use serde_json::{Value, json};
 use crate::app::{TestApp, payment, spawn_app_with};
 use crate::process::keyfence_command;
 
-async fn expire(app: &TestApp, key: &str) {
+/// Moves `key`'s `expires_at` back to `ago` before now.
+async fn expire(app: &TestApp, key: &str, ago: Duration) {
     app.keys
         .store
         .client()
@@ -22,7 +23,7 @@ async fn expire(app: &TestApp, key: &str) {
         .table_name(app.keys.store.table())
         .key("pk", AttributeValue::S(format!("{}#{key}", app.client_id().await)))
         .update_expression("SET expires_at = :past")
-        .expression_attribute_values(":past", AttributeValue::N((Millis::now().as_secs() - 60).to_string()))
+        .expression_attribute_values(":past", AttributeValue::N((Millis::now().as_secs() - ago.as_secs()).to_string()))
         .send()
         .await
         .unwrap();
@@ -36,8 +37,9 @@ async fn the_sweeper_deletes_expired_keys_and_nothing_in_flight() {
     }
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
     assert_eq!(app.pay("in-flight-1", &payment("E2E-in-flight")).await.status(), StatusCode::ACCEPTED);
-    expire(&app, "old-1").await;
-    expire(&app, "old-2").await;
+    // An hour past: beyond the retention's grace (ten minutes by default).
+    expire(&app, "old-1", Duration::from_secs(3600)).await;
+    expire(&app, "old-2", Duration::from_secs(3600)).await;
 
     let run = keyfence_command(&app, "maintain").args(["--expire", "--json", "--rate", "20"]).output().await.unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
@@ -57,4 +59,31 @@ async fn the_sweeper_deletes_expired_keys_and_nothing_in_flight() {
         "expired keys deleted; one within retention and one in flight untouched"
     );
     assert_eq!(app.count("payments").await, 4, "the ledger keeps its history");
+}
+
+/// A sweeper (or a claimer) whose clock runs a minute ahead sees a key
+/// whose retention ended a minute ago. Within the grace it must neither
+/// delete the key nor claim it anew: a late retry replays the answer the
+/// client was given instead of paying a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_just_past_its_retention_on_a_clock_running_ahead_is_kept_and_replayed() {
+    let app = spawn_app_with(|_| {}).await;
+    let first = app.pay("late-1", &payment("E2E-late-1")).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let bytes = first.bytes().await.unwrap();
+    expire(&app, "late-1", Duration::from_secs(60)).await;
+
+    let run = keyfence_command(&app, "maintain").args(["--expire", "--json"]).output().await.unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let report: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(report["deleted"].as_u64(), Some(0), "within the grace: {report}");
+
+    // A fresh instance has no answer in memory: it must ask the key store.
+    let (fresh, _stop) = crate::app::start_instance(&app.settings).await;
+    let retry = app.try_pay_at(&fresh, &app.api_key, "late-1", &payment("E2E-late-1")).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true", "a replay, not a new claim");
+    assert_eq!(retry.bytes().await.unwrap(), bytes);
+    assert_eq!(app.count("payments").await, 1, "paid once");
+    assert_eq!(app.e2.statement().await.len(), 1);
 }

@@ -148,6 +148,7 @@ pub fn claim_of(key: &ScopedKey, now: Millis, lease: Duration) -> Claim {
         owner: Owner::attempt_of("test"),
         home_region: "eu-west-1".into(),
         lease: Lease { now, length: lease },
+        gone_before: now,
     }
 }
 

@@ -109,6 +109,7 @@ impl World {
             owner: self.owners[owner].clone(),
             home_region: "eu-west-1".into(),
             lease: self.lease(),
+            gone_before: self.now,
         }
     }
 

@@ -191,3 +191,74 @@ async fn postings_must_balance_and_are_never_rewritten() {
     assert!(erase.is_err(), "postings were deleted");
     assert_eq!(counts(&db.ledger).await, (1, 1, 2));
 }
+
+/// Fencing the ledger must not starve behind the stream of phases that read
+/// the fence: 32 phases in flight at every moment, each holding its
+/// transaction open for 100 ms (a phase waiting on a slow disk), and the
+/// fence still goes up within seconds (under row share locks it waited out
+/// the whole 10 s here: share lockers kept joining past it); after it, no
+/// phase commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_the_ledger_returns_promptly_while_phases_keep_coming() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    let db = TestLedger::new().await;
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let committed = std::sync::Arc::new(AtomicUsize::new(0));
+    let streams: Vec<_> = (0..32)
+        .map(|_| {
+            let (ledger, stop, committed) = (db.ledger.clone(), stop.clone(), committed.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let req = request();
+                    match ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await {
+                        Ok(phase) => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            if phase.commit().await.is_ok() {
+                                committed.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        Err(LedgerError::RegionFailed(_)) => tokio::time::sleep(Duration::from_millis(5)).await,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    // Let the stream fill up.
+    while committed.load(Ordering::Relaxed) < 64 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let fenced =
+        tokio::time::timeout(Duration::from_secs(10), db.ledger.set_region_fence(true, "r-1", 1, "drill")).await;
+    let at_fence = committed.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = committed.load(Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
+    for stream in streams {
+        stream.await.unwrap();
+    }
+    assert!(fenced.is_ok(), "fencing starved behind the phases ({at_fence} committed meanwhile)");
+    fenced.unwrap().unwrap();
+    assert!(after <= at_fence, "a phase committed after the fence went up ({after} > {at_fence})");
+    assert!(db.ledger.region_fence().await.unwrap().failed);
+}
+
+/// Two declarations can reach a ledger in the reverse order of their
+/// epochs (two SREs, or an SRE and the region's instances): the newer one
+/// wins whatever the order.
+#[tokio::test]
+async fn only_a_newer_epoch_moves_the_region_fence() {
+    use keyfence::ledger::FenceChange;
+    let db = TestLedger::new().await;
+    assert!(matches!(db.ledger.set_region_fence(true, "r-1", 4, "failed at 4").await, Ok(FenceChange::Set(_))));
+    let late = db.ledger.set_region_fence(false, "r-1", 3, "restored at 3").await.unwrap();
+    assert!(matches!(late, FenceChange::Newer(ref f) if f.failed && f.epoch == 4), "{late:?}");
+    let fence = db.ledger.region_fence().await.unwrap();
+    assert!(fence.failed, "still fenced: the restore was older");
+    assert!(matches!(db.ledger.set_region_fence(false, "r-1", 5, "restored at 5").await, Ok(FenceChange::Set(_))));
+    assert!(!db.ledger.region_fence().await.unwrap().failed);
+    // The same declaration again (a retried command) is no change of mind.
+    assert!(matches!(db.ledger.set_region_fence(false, "r-1", 5, "again").await, Ok(FenceChange::Set(_))));
+}

@@ -161,6 +161,7 @@ impl World {
             owner: Owner::attempt_of("model"),
             home_region: "r".into(),
             lease: Lease { now, length: LEASE },
+            gone_before: now,
         };
         Self {
             keys: MemoryKeyStore::new(),
@@ -198,7 +199,7 @@ impl World {
     /// An idle actor presents the request, as a client retry would.
     fn present(&mut self) -> Actor {
         let owner = Owner::attempt_of("model");
-        let claim = Claim { owner: owner.clone(), lease: self.lease(), ..self.claim.clone() };
+        let claim = Claim { owner: owner.clone(), lease: self.lease(), gone_before: self.now, ..self.claim.clone() };
         match block_on(self.keys.claim(&claim)) {
             Ok(item) => Actor::Owner {
                 owner,

@@ -37,7 +37,7 @@ async fn a_key_reused_after_its_retention_is_a_new_payment() {
     let app = spawn_app().await;
     let body = payment("E2E-REUSED");
     let (key, first) = pay_once(&app, "reused-1").await;
-    // Past its time-to-live; the store has not reaped it yet.
+    // Past its time-to-live and the grace after it; the store has not reaped it yet.
     app.keys
         .store
         .client()
@@ -45,7 +45,7 @@ async fn a_key_reused_after_its_retention_is_a_new_payment() {
         .table_name(app.keys.store.table())
         .key("pk", AttributeValue::S(key.partition_key()))
         .update_expression("SET expires_at = :past")
-        .expression_attribute_values(":past", AttributeValue::N((Millis::now().as_secs() - 1).to_string()))
+        .expression_attribute_values(":past", AttributeValue::N((Millis::now().as_secs() - 3600).to_string()))
         .send()
         .await
         .unwrap();

@@ -406,3 +406,49 @@ async fn a_key_claimed_twice_is_reported_as_worked_twice_and_left_for_a_person()
     let stored = app.keys.store.get(&key).await.unwrap().unwrap();
     assert_eq!(stored.response.unwrap().body, again, "the key keeps the answer of the request it names");
 }
+
+/// A takeover adopts a request's row at `STARTED`, with no payment yet; its
+/// owner is fenced before its first phase (its region failed) and another
+/// region finishes the request. What is left here has nothing to reverse,
+/// and is voided all the same, once: not a finding every run stumbles on.
+#[tokio::test]
+async fn a_leftover_that_never_committed_a_phase_is_voided() {
+    let app = spawn_app().await;
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("adopted-1").unwrap());
+    let created_at = Millis::now();
+    let answer = StoredResponse { status: 201, headers: Default::default(), body: b"{\"elsewhere\":true}".to_vec() };
+    let item = KeyItem {
+        key: key.clone(),
+        request_hash: RequestHash::from_hex("ab".repeat(32)),
+        request: serde_json::to_vec(&payment("E2E-adopted-1")).unwrap(),
+        state: KeyState::Finished,
+        fence: Fence::new(3),
+        lease_until: Millis::new(0),
+        owner: Owner::attempt_of("other"),
+        home_region: "other-1".into(),
+        created_at,
+        payment_id: uuid::Uuid::now_v7(),
+        response: Some(answer),
+        expires_at: Some(Millis::now().plus(Duration::from_secs(3600)).as_secs()),
+    };
+    app.keys.store.seed(std::slice::from_ref(&item)).await.unwrap();
+    let record = keyfence::ledger::RequestRecord {
+        key: key.clone(),
+        created_at,
+        operation: "payment".into(),
+        request_hash: item.request_hash.clone(),
+        payment_id: item.payment_id,
+        request: item.request.clone(),
+    };
+    app.db.ledger.adopt(&record, Fence::new(2), keyfence::ledger::Adoption::Takeover).await.unwrap();
+    assert_eq!(app.count("payments").await, 0, "no phase committed: no payment row");
+
+    assert_eq!(classes(&reconcile(&app, false).await), [Class::FencedLeftover]);
+    let repaired = reconcile(&app, true).await;
+    assert_eq!(repaired.unrepaired(), 0, "{}", repaired.table());
+    let point: String =
+        sqlx::query_scalar("SELECT recovery_point FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(point, "VOIDED");
+    assert_eq!(app.count("postings").await, 0, "nothing to reverse");
+    assert_clean(&app).await;
+}

@@ -43,7 +43,7 @@ async fn two_declarations_at_once_raise_the_epoch_once() {
         regions::declare(&store, None, "eu-1", RegionState::Failed, "sre-a", "network partition"),
         regions::declare(&other, None, "eu-1", RegionState::Failed, "sre-b", "pager said so"),
     );
-    let outcomes = [a.unwrap(), b.unwrap()];
+    let outcomes = [a.unwrap().0, b.unwrap().0];
     let made = outcomes.iter().filter(|o| matches!(o, Changed::Made(_))).count();
     assert_eq!(made, 1, "one declaration wins: {outcomes:?}");
     let registry = store.read().await.unwrap();
@@ -52,7 +52,7 @@ async fn two_declarations_at_once_raise_the_epoch_once() {
     assert!(registry.is_failed("eu-1") && !registry.is_failed("eu-2"));
     assert!(registry.table().contains("eu-1"), "{}", registry.table());
 
-    let restored = regions::declare(&store, None, "eu-1", RegionState::Active, "sre-a", "healed").await.unwrap();
+    let (restored, _) = regions::declare(&store, None, "eu-1", RegionState::Active, "sre-a", "healed").await.unwrap();
     assert!(matches!(restored, Changed::Made(ref c) if c.epoch == 2), "{restored:?}");
     assert_eq!(store.read().await.unwrap().history.len(), 2, "who, when and why of both changes");
 }
@@ -264,4 +264,44 @@ async fn a_request_in_flight_when_its_region_fails_commits_no_further_phase() {
     let point: String =
         sqlx::query_scalar("SELECT recovery_point FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
     assert_eq!(point, "EXT1_SENT", "the phase after E1 was not committed");
+}
+
+/// `regions fail --ledger` fences the region's ledger; `regions restore`
+/// without `--ledger` (the SRE could not reach it, or forgot) must not
+/// leave a region that claims keys but commits no phase: its instances
+/// bring the ledger fence in line with the registry, and `/readyz` says
+/// what the ledger fence holds meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_without_the_ledger_still_opens_it_through_the_regions_instances() {
+    let app = spawn_app().await;
+    let body = payment("E2E-REOPENED");
+    regions::declare(&store(&app), Some(&app.db.ledger), "test-1", RegionState::Failed, "test", "drill").await.unwrap();
+    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+    let ready: Value = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(ready["ledger_fence"]["state"], "failed", "{ready}");
+
+    regions::declare(&store(&app), None, "test-1", RegionState::Active, "test", "healed").await.unwrap();
+    crate::harness::eventually("the instance opened its ledger", async || {
+        let ready = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap();
+        ready.status() == StatusCode::OK
+    })
+    .await;
+    let ready: Value = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(ready["ledger_fence"]["state"], "open", "{ready}");
+    assert_eq!(app.pay("reopened-1", &body).await.status(), StatusCode::CREATED, "phases commit again");
+    assert!(!app.db.ledger.region_fence().await.unwrap().failed);
+}
+
+/// The reverse: a region declared failed without `--ledger`, whose
+/// instances still reach their ledger, fences it themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_regions_instances_fence_the_ledger_they_can_reach() {
+    let app = spawn_app().await;
+    regions::declare(&store(&app), None, "test-1", RegionState::Failed, "test", "drill").await.unwrap();
+    crate::harness::eventually("the instance fenced its ledger", async || {
+        app.db.ledger.region_fence().await.unwrap().failed
+    })
+    .await;
+    let fence = app.db.ledger.region_fence().await.unwrap();
+    assert_eq!((fence.region.as_deref(), fence.reason.as_deref()), (Some("test-1"), Some("drill")));
 }

@@ -1,0 +1,99 @@
+//! The ledger's own region fence: one row saying whether this ledger's
+//! region is declared failed, as of which registry epoch. Every phase reads
+//! it in its first statement and commits nothing while it says failed, so a
+//! ledger an SRE (or the region's own instances) could reach is fenced even
+//! against an instance that cannot read the registry.
+//!
+//! Only a newer epoch changes the row, so two declarations that reach the
+//! ledger in the reverse order of their epochs leave it as the newer one
+//! says. Phases and the fence meet on a transaction-level advisory lock:
+//! every phase takes it shared in the statement that opens its transaction
+//! (so the fence row it reads next is read after the lock is held), and a
+//! change takes it exclusively. PostgreSQL queues a shared request behind a
+//! waiting exclusive one, so a change waits only for the phases already in
+//! flight, never behind an endless stream of new ones (as it would behind
+//! row share locks, which compatible lockers keep acquiring past a waiting
+//! writer), and once it returns no phase of the old state can commit.
+
+use serde::Serialize;
+
+use super::{Ledger, LedgerError};
+
+/// The advisory lock's key ("kf_regio"), the same in both statements below.
+macro_rules! lock_key {
+    () => {
+        7738977954614962543
+    };
+}
+
+/// Opens a phase's transaction holding the lock shared, in one round trip.
+pub(super) const BEGIN_PHASE: &str = concat!("BEGIN; SELECT pg_advisory_xact_lock_shared(", lock_key!(), ")");
+
+/// Opens a fence change's transaction holding the lock exclusively.
+const BEGIN_CHANGE: &str = concat!("BEGIN; SELECT pg_advisory_xact_lock(", lock_key!(), ")");
+
+/// The ledger's region fence as it stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct RegionFence {
+    pub failed: bool,
+    /// The region it was last set for, if ever.
+    pub region: Option<String>,
+    /// The registry epoch of the declaration it follows (0: never set).
+    pub epoch: i64,
+    pub reason: Option<String>,
+}
+
+impl RegionFence {
+    pub fn state(&self) -> &'static str {
+        if self.failed { "failed" } else { "open" }
+    }
+}
+
+/// What a change of the fence came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FenceChange {
+    /// The fence now says what was asked, at the asked epoch.
+    Set(RegionFence),
+    /// The ledger follows a newer declaration already: left as it is.
+    Newer(RegionFence),
+}
+
+impl Ledger {
+    /// The fence as it stands.
+    pub async fn region_fence(&self) -> Result<RegionFence, LedgerError> {
+        Ok(sqlx::query_as("SELECT failed, region, epoch, reason FROM region_fence").fetch_one(&self.pool).await?)
+    }
+
+    /// Sets the fence to `failed` for `region` as declared at registry epoch
+    /// `epoch`, unless the ledger follows a newer declaration already.
+    /// Returns once every phase in flight has ended; from then on no phase
+    /// commits under the old state.
+    pub async fn set_region_fence(
+        &self,
+        failed: bool,
+        region: &str,
+        epoch: u64,
+        reason: &str,
+    ) -> Result<FenceChange, LedgerError> {
+        let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
+        let mut tx = self.pool.begin_with(BEGIN_CHANGE).await?;
+        let changed: Option<RegionFence> = sqlx::query_as(
+            "UPDATE region_fence SET failed = $1, region = $2, epoch = $3, reason = $4, changed_at = now()
+              WHERE epoch <= $3 RETURNING failed, region, epoch, reason",
+        )
+        .bind(failed)
+        .bind(region)
+        .bind(epoch)
+        .bind(reason)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let change = match changed {
+            Some(fence) => FenceChange::Set(fence),
+            None => FenceChange::Newer(
+                sqlx::query_as("SELECT failed, region, epoch, reason FROM region_fence").fetch_one(&mut *tx).await?,
+            ),
+        };
+        tx.commit().await?;
+        Ok(change)
+    }
+}
