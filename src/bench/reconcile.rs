@@ -215,6 +215,7 @@ async fn load(keys: &DynamoKeyStore, ledger: &Ledger, region: &str, size: usize)
                     body: body.into_bytes(),
                 }),
                 expires_at: Some(now.plus(Duration::from_secs(3600)).as_secs()),
+                left: Default::default(),
             };
             Seed { item, payment_id }
         })

@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use crate::domain::{Fence, Millis, Owner, RecoveryPoint, RequestHash, ScopedKey};
 use crate::failpoint;
-use crate::keystore::{Claim, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
+use crate::keystore::{Claim, Handoff, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
 use crate::ledger::Adoption;
 
 use super::lease::Attempt;
@@ -80,38 +80,49 @@ impl<K: KeyStore> Engine<K> {
             return Ok(Answer::Mismatch);
         }
         if existing.state == KeyState::Finished {
-            let response = existing
-                .response
-                .clone()
-                .ok_or_else(|| EngineError::Fault(format!("{} is finished without an answer", existing.key)))?;
-            self.answers.remember(&existing.key, &existing.request_hash, &response, existing.expires_at);
-            return Ok(Answer::Final { response, replayed: true });
+            return self.replay(existing);
         }
         let in_flight = Answer::InFlight { retry_after: retry_after(existing, now) };
-        let (item, by) = if existing.home_region != self.settings.region {
+        let taken = if existing.home_region != self.settings.region {
             if !self.regions.fresh().await?.is_failed(&existing.home_region) {
                 return Ok(in_flight);
             }
-            match self.fail_over(&existing.key, existing.fence, &existing.home_region, now).await {
-                Ok(item) => (item, "failover"),
-                Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
-                Err(e) => return Err(e.into()),
-            }
+            self.fail_over(&existing.key, existing.fence, &existing.home_region, now)
+                .await
+                .map(|item| (item, "failover"))
         } else {
             if existing.lease_until >= now {
                 return Ok(in_flight);
             }
             let owner = Owner::attempt_of(&self.settings.instance);
             let lease = Lease { now, length: self.settings.lease };
-            match self.keys.take_over(&existing.key, existing.fence, &owner, lease).await {
-                Ok(item) => (item, "retry"),
-                Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
-                Err(e) => return Err(e.into()),
+            self.keys.take_over(&existing.key, existing.fence, &owner, lease).await.map(|item| (item, "retry"))
+        };
+        let (item, by) = match taken {
+            Ok(taken) => taken,
+            // The key finished in the meantime (its owner won the race): the
+            // item the refusal carries holds the answer.
+            Err(KeyStoreError::Taken(Some(current)))
+                if current.state == KeyState::Finished && current.request_hash == *request_hash =>
+            {
+                return self.replay(&current);
             }
+            Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
+            Err(e) => return Err(e.into()),
         };
         metrics::counter!("keyfence_takeovers_total", "by" => by).increment(1);
         tracing::info!(key = %item.key, fence = %item.fence, "a retry took over a request");
         self.resume(op, &item).await
+    }
+
+    /// The stored answer of a finished item, kept in memory for the next replay.
+    fn replay(&self, item: &KeyItem) -> Result<Answer, EngineError> {
+        let response = item
+            .response
+            .clone()
+            .ok_or_else(|| EngineError::Fault(format!("{} is finished without an answer", item.key)))?;
+        self.answers.remember(&item.key, &item.request_hash, &response, item.expires_at);
+        Ok(Answer::Final { response, replayed: true })
     }
 
     /// Takes a request homed in a region declared failed over to this one:
@@ -139,16 +150,23 @@ impl<K: KeyStore> Engine<K> {
         Ok(())
     }
 
-    /// Works a request this instance has just taken over: stamps its fence on
-    /// the ledger (from then on the old owner's writes are refused) and
-    /// carries on from the recovery point found there. If the ledger cannot
+    /// Works a request this instance has just taken over: first records a
+    /// hand-off for every region the request left (so each one's leftover
+    /// is voided there, however long after its key is gone), then stamps its
+    /// fence on the ledger (from then on the old owner's writes are refused)
+    /// and carries on from the recovery point found there. If a store cannot
     /// be reached, the key is handed back at once rather than held idle.
     pub(super) async fn resume<O: Operation>(&self, op: &O, item: &KeyItem) -> Result<Answer, EngineError> {
         let mut attempt = Attempt::new(item, op.name(), RecoveryPoint::STARTED, false);
-        match self.ledger.adopt(&attempt.record, item.fence, Adoption::Takeover).await {
+        let adopted = async {
+            for from in &item.left {
+                self.keys.hand_off(&Handoff::of(item, from)).await?;
+            }
+            Ok::<_, EngineError>(self.ledger.adopt(&attempt.record, item.fence, Adoption::Takeover).await?)
+        };
+        match adopted.await {
             Ok(at) => attempt.at = at,
             Err(e) => {
-                let e = EngineError::from(e);
                 if let EngineError::Transient(_) | EngineError::Fault(_) = e {
                     self.hand_back(&attempt).await;
                 }

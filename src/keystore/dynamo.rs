@@ -23,7 +23,8 @@ use aws_sdk_dynamodb::types::{
 
 use super::item::{CONTROL_PREFIX, attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{
-    Claim, Finish, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey,
+    Claim, Finish, Handoff, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release,
+    StaleKey, handoff,
 };
 use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
@@ -148,9 +149,9 @@ impl DynamoKeyStore {
             (":started".to_owned(), s(KeyState::Started.as_str())),
             (":seen".to_owned(), n(seen.get())),
         ]);
-        let update = format!("SET #fence = :next, #lease = :until, #owner = :owner{}", when.set);
+        let update = format!("SET #fence = :next, #lease = :until, #owner = :owner{}{}", when.set, when.add);
         let condition = format!("#state = :started AND #fence = :seen AND {}", when.condition);
-        let used: Vec<&str> = ["#fence", "#lease", "#owner", "#state", "#home"]
+        let used: Vec<&str> = ["#fence", "#lease", "#owner", "#state", "#home", "#left"]
             .into_iter()
             .filter(|name| update.contains(name) || condition.contains(name))
             .collect();
@@ -182,6 +183,8 @@ impl DynamoKeyStore {
 /// What an owner replacement adds to the update and to its condition.
 struct Replacement {
     set: &'static str,
+    /// An `ADD` clause after the `SET` (or nothing).
+    add: &'static str,
     condition: &'static str,
     values: Vec<(&'static str, AttributeValue)>,
 }
@@ -195,6 +198,7 @@ fn names() -> HashMap<String, String> {
         ("#owner", attr::OWNER),
         ("#expires", attr::EXPIRES_AT),
         ("#home", attr::HOME_REGION),
+        ("#left", attr::LEFT),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -243,7 +247,8 @@ impl KeyStore for DynamoKeyStore {
         lease: Lease,
     ) -> Result<KeyItem, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "take_over")]);
-        let when = Replacement { set: "", condition: "#lease < :now", values: vec![(":now", n(lease.now.get()))] };
+        let when =
+            Replacement { set: "", add: "", condition: "#lease < :now", values: vec![(":now", n(lease.now.get()))] };
         self.replace_owner(key, seen, owner, lease, when, |_| true).await
     }
 
@@ -258,12 +263,18 @@ impl KeyStore for DynamoKeyStore {
         to: &str,
     ) -> Result<KeyItem, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "fail_over")]);
+        // The region left joins the item's `left` set in the same write; a
+        // request never moves back to a region it left.
         let when = Replacement {
             set: ", #home = :to",
-            condition: "#home = :from",
-            values: vec![(":to", s(to)), (":from", s(from))],
+            add: " ADD #left :from_set",
+            condition: "#home = :from AND NOT contains(#left, :to)",
+            values: vec![(":to", s(to)), (":from", s(from)), (":from_set", AttributeValue::Ss(vec![from.to_owned()]))],
         };
-        self.replace_owner(key, seen, owner, lease, when, |current| current.home_region == to).await
+        self.replace_owner(key, seen, owner, lease, when, |current| {
+            current.home_region == to && current.left.contains(from)
+        })
+        .await
     }
 
     #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
@@ -464,6 +475,76 @@ impl KeyStore for DynamoKeyStore {
                 return Ok(stale);
             }
         }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %handoff.key, from = %handoff.from))]
+    async fn hand_off(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "hand_off")]);
+        self.client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(handoff::encode(handoff, Millis::now())))
+            .send()
+            .await
+            .map(drop)
+            .map_err(|e| store_error(&e))
+    }
+
+    #[tracing::instrument(skip(self))]
+    async fn handoffs(&self, from: &str, shard: u64) -> Result<Vec<Handoff>, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "handoffs")]);
+        let mut found = Vec::new();
+        let mut start = None;
+        loop {
+            let page = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(INFLIGHT_INDEX)
+                .key_condition_expression("#inflight = :partition")
+                .expression_attribute_names("#inflight", attr::INFLIGHT)
+                .expression_attribute_values(":partition", s(handoff::index_partition(from, shard)))
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .map_err(|e| store_error(&e))?;
+            for entry in page.items() {
+                found.push(handoff::decode(from, entry)?);
+            }
+            start = page.last_evaluated_key().cloned();
+            if start.is_none() {
+                return Ok(found);
+            }
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %key, from))]
+    async fn handoff_of(&self, from: &str, key: &ScopedKey, created_at: Millis) -> Result<bool, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "handoff_of")]);
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(handoff::partition_key(from, key, created_at)))
+            .consistent_read(true)
+            .projection_expression(attr::PK)
+            .send()
+            .await
+            .map_err(|e| store_error(&e))?;
+        Ok(out.item().is_some())
+    }
+
+    #[tracing::instrument(skip_all, fields(pk = %handoff.key, from = %handoff.from))]
+    async fn forget_handoff(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "forget_handoff")]);
+        self.client
+            .delete_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(handoff.partition_key()))
+            .send()
+            .await
+            .map(drop)
+            .map_err(|e| store_error(&e))
     }
 }
 

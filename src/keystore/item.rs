@@ -4,7 +4,7 @@
 //! partitions (from a hash of the partition key) so the recovery worker can
 //! find stale leases without one hot index partition.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::AttributeValue;
@@ -40,6 +40,7 @@ pub(super) mod attr {
     pub const RESPONSE_BODY: &str = "response_body";
     pub const EXPIRES_AT: &str = "expires_at";
     pub const INFLIGHT: &str = "inflight";
+    pub const LEFT: &str = "left";
 }
 
 /// A started item whose lease has run out, as the in-flight index shows it.
@@ -86,6 +87,10 @@ pub struct KeyItem {
     pub response: Option<StoredResponse>,
     /// Present once finished: when DynamoDB may reap the item (seconds).
     pub expires_at: Option<u64>,
+    /// The regions this request was failed over away from, each while it
+    /// was in flight there: what their ledgers hold of it are leftovers, and
+    /// it never returns to one of them (its fences there are spent).
+    pub left: BTreeSet<String>,
 }
 
 impl KeyItem {
@@ -104,6 +109,7 @@ impl KeyItem {
             payment_id: claim.payment_id,
             response: None,
             expires_at: None,
+            left: BTreeSet::new(),
         }
     }
 
@@ -126,12 +132,17 @@ impl KeyItem {
     }
 }
 
-/// The in-flight GSI partition of a partition key (FNV-1a, stable forever:
-/// changing it would strand started items in shards nobody queries).
+/// The in-flight GSI partition of a partition key.
 pub fn inflight_shard(pk: &str) -> String {
+    shard_name(inflight_shard_of(pk))
+}
+
+/// The shard of a partition key (FNV-1a, stable forever: changing it would
+/// strand started items and hand-offs in shards nobody queries).
+pub(super) fn inflight_shard_of(pk: &str) -> u64 {
     let hash =
         pk.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
-    shard_name(hash % INFLIGHT_SHARDS)
+    hash % INFLIGHT_SHARDS
 }
 
 /// The `inflight` value of shard `i` (0 to [`INFLIGHT_SHARDS`] - 1).
@@ -187,6 +198,10 @@ pub(super) fn encode(item: &KeyItem) -> HashMap<String, AttributeValue> {
     if let Some(expires_at) = item.expires_at {
         attrs.insert(attr::EXPIRES_AT.to_owned(), n(expires_at));
     }
+    // A string set cannot be empty: absent means none.
+    if !item.left.is_empty() {
+        attrs.insert(attr::LEFT.to_owned(), AttributeValue::Ss(item.left.iter().cloned().collect()));
+    }
     if item.state == KeyState::Finished {
         attrs.remove(attr::INFLIGHT);
     }
@@ -233,6 +248,11 @@ pub(super) fn decode(attrs: &HashMap<String, AttributeValue>) -> Result<KeyItem,
         payment_id: get_s(attrs, attr::PAYMENT_ID)?.parse().map_err(|e| malformed(attr::PAYMENT_ID, e))?,
         response,
         expires_at: attrs.get(attr::EXPIRES_AT).map(|_| get_n(attrs, attr::EXPIRES_AT)).transpose()?,
+        left: match attrs.get(attr::LEFT) {
+            None => BTreeSet::new(),
+            Some(AttributeValue::Ss(regions)) => regions.iter().cloned().collect(),
+            Some(_) => return Err(malformed(attr::LEFT, "not a string set")),
+        },
     })
 }
 
@@ -249,14 +269,14 @@ fn decode_headers(attrs: &HashMap<String, AttributeValue>) -> Result<BTreeMap<St
         .collect()
 }
 
-fn get_s<'a>(attrs: &'a HashMap<String, AttributeValue>, name: &str) -> Result<&'a str, KeyStoreError> {
+pub(super) fn get_s<'a>(attrs: &'a HashMap<String, AttributeValue>, name: &str) -> Result<&'a str, KeyStoreError> {
     match attrs.get(name) {
         Some(AttributeValue::S(v)) => Ok(v),
         _ => Err(malformed(name, "missing or not a string")),
     }
 }
 
-fn get_n(attrs: &HashMap<String, AttributeValue>, name: &str) -> Result<u64, KeyStoreError> {
+pub(super) fn get_n(attrs: &HashMap<String, AttributeValue>, name: &str) -> Result<u64, KeyStoreError> {
     match attrs.get(name) {
         Some(AttributeValue::N(v)) => v.parse().map_err(|e| malformed(name, e)),
         _ => Err(malformed(name, "missing or not a number")),
@@ -270,7 +290,7 @@ fn get_b<'a>(attrs: &'a HashMap<String, AttributeValue>, name: &str) -> Result<&
     }
 }
 
-fn malformed(name: &str, why: impl std::fmt::Display) -> KeyStoreError {
+pub(super) fn malformed(name: &str, why: impl std::fmt::Display) -> KeyStoreError {
     KeyStoreError::Fault(format!("key item attribute {name}: {why}"))
 }
 

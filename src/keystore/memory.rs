@@ -3,18 +3,20 @@
 //! It is never wired into the service: an in-process map cannot arbitrate
 //! between processes or regions.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use super::{
-    Claim, Finish, Holder, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey, inflight_shard,
-    shard_name,
+    Claim, Finish, Handoff, Holder, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey,
+    inflight_shard, shard_name,
 };
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 
 #[derive(Debug, Default)]
 pub struct MemoryKeyStore {
     items: Mutex<HashMap<String, KeyItem>>,
+    /// Hand-offs by their partition key.
+    handoffs: Mutex<BTreeMap<String, Handoff>>,
 }
 
 impl MemoryKeyStore {
@@ -24,6 +26,10 @@ impl MemoryKeyStore {
 
     fn with_items<T>(&self, f: impl FnOnce(&mut HashMap<String, KeyItem>) -> T) -> T {
         f(&mut self.items.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
+    fn with_handoffs<T>(&self, f: impl FnOnce(&mut BTreeMap<String, Handoff>) -> T) -> T {
+        f(&mut self.handoffs.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 }
 
@@ -80,16 +86,21 @@ impl KeyStore for MemoryKeyStore {
             let Some(item) = items.get_mut(&key.partition_key()) else {
                 return Err(KeyStoreError::Taken(None));
             };
-            let movable = item.state == KeyState::Started && item.fence == seen && item.home_region == from;
+            let movable = item.state == KeyState::Started
+                && item.fence == seen
+                && item.home_region == from
+                && !item.left.contains(to);
             let ours = item.state == KeyState::Started
                 && item.owner == *owner
                 && item.fence == seen.next()
-                && item.home_region == to;
+                && item.home_region == to
+                && item.left.contains(from);
             if movable {
                 item.fence = seen.next();
                 item.lease_until = lease.until();
                 item.owner = owner.clone();
                 item.home_region = to.to_owned();
+                item.left.insert(from.to_owned());
             }
             if movable || ours { Ok(item.clone()) } else { Err(KeyStoreError::Taken(Some(Box::new(item.clone())))) }
         })
@@ -205,5 +216,28 @@ impl KeyStore for MemoryKeyStore {
                 })
                 .collect()
         }))
+    }
+
+    async fn hand_off(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
+        self.with_handoffs(|all| all.insert(handoff.partition_key(), handoff.clone()));
+        Ok(())
+    }
+
+    async fn handoffs(&self, from: &str, shard: u64) -> Result<Vec<Handoff>, KeyStoreError> {
+        Ok(self.with_handoffs(|all| {
+            all.values()
+                .filter(|h| h.from == from && inflight_shard(&h.key.partition_key()) == shard_name(shard))
+                .cloned()
+                .collect()
+        }))
+    }
+
+    async fn handoff_of(&self, from: &str, key: &ScopedKey, created_at: Millis) -> Result<bool, KeyStoreError> {
+        Ok(self.with_handoffs(|all| all.contains_key(&super::handoff::partition_key(from, key, created_at))))
+    }
+
+    async fn forget_handoff(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
+        self.with_handoffs(|all| all.remove(&handoff.partition_key()));
+        Ok(())
     }
 }

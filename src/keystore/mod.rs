@@ -12,6 +12,7 @@
 
 mod dynamo;
 mod error;
+mod handoff;
 mod item;
 mod memory;
 mod table;
@@ -25,6 +26,7 @@ use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse
 
 pub use dynamo::{DynamoKeyStore, connect};
 pub use error::KeyStoreError;
+pub use handoff::Handoff;
 pub use item::{CONTROL_PREFIX, INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};
 pub use memory::MemoryKeyStore;
 pub use table::{INFLIGHT_INDEX, TableChange, delete_table, ensure_table};
@@ -116,8 +118,10 @@ pub trait KeyStore: Send + Sync {
 
     /// Moves a started item homed in `from` (a region declared failed) to a
     /// new owner in region `to`, whatever its lease, if its fence is still
-    /// `seen`: fence + 1, so the failed region's owner is fenced out of the
-    /// key store. Exactly one racer wins.
+    /// `seen` and the request never left `to` before: fence + 1, so the
+    /// failed region's owner is fenced out of the key store, and `from`
+    /// joins the item's `left` set in the same write (the fact that `from`'s
+    /// ledger holds a leftover is never lost). Exactly one racer wins.
     fn fail_over(
         &self,
         key: &ScopedKey,
@@ -188,4 +192,26 @@ pub trait KeyStore: Send + Sync {
         shard: u64,
         now: Millis,
     ) -> impl Future<Output = Result<Vec<StaleKey>, KeyStoreError>> + Send;
+
+    /// Records that a request left region `handoff.from` (see [`Handoff`]).
+    /// Idempotent: the same hand-off written again changes nothing that
+    /// matters.
+    fn hand_off(&self, handoff: &Handoff) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
+
+    /// The hand-offs from region `from` in shard `shard` (0 to
+    /// [`INFLIGHT_SHARDS`] - 1), read through the index: eventually
+    /// consistent, so one written a moment ago may be missing (its request's
+    /// key item names the region in `left` meanwhile).
+    fn handoffs(&self, from: &str, shard: u64) -> impl Future<Output = Result<Vec<Handoff>, KeyStoreError>> + Send;
+
+    /// Whether a hand-off from `from` names this request (a consistent read).
+    fn handoff_of(
+        &self,
+        from: &str,
+        key: &ScopedKey,
+        created_at: Millis,
+    ) -> impl Future<Output = Result<bool, KeyStoreError>> + Send;
+
+    /// Removes a hand-off once `from`'s leftover of it is voided (or was never there).
+    fn forget_handoff(&self, handoff: &Handoff) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
 }

@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::domain::{Millis, RecoveryPoint};
 use crate::keystore::{KeyItem, KeyState};
 use crate::ledger::views::LedgerView;
+use crate::regions::{RegionState, Registry};
 
 /// The kinds of disagreement between the key store and a region's ledger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -28,23 +29,31 @@ pub enum Class {
     /// Another region finished the request under a newer fence; what this
     /// ledger holds of it is a leftover.
     FencedLeftover,
+    /// The request was failed over away from this region while in flight
+    /// here (its hand-off, or the key's `left` set, says so); whatever its
+    /// state now (in flight elsewhere, finished, or expired), what this
+    /// ledger holds of it is a leftover, never to be worked again.
+    MovedInFlight,
     /// Both finished, with different answers.
     AnswerMismatch,
     /// The key names another request than this ledger's for it: the key
     /// was claimed twice (two regions both won one claim under eventual
     /// consistency, or a lost key was claimed afresh by a retry), so the
-    /// payment was worked twice, each time under its own derived keys.
+    /// payment was worked twice, each time under its own derived keys. Or
+    /// two regions hold it under one fence (a fence granted twice: the key
+    /// table went back to an older copy).
     WorkedTwice,
 }
 
 impl Class {
-    pub const ALL: [Class; 8] = [
+    pub const ALL: [Class; 9] = [
         Class::PaymentMissing,
         Class::KeyNotFinished,
         Class::KeyMissing,
         Class::StaleInFlight,
         Class::UnknownOutcome,
         Class::FencedLeftover,
+        Class::MovedInFlight,
         Class::AnswerMismatch,
         Class::WorkedTwice,
     ];
@@ -57,6 +66,7 @@ impl Class {
             Class::StaleInFlight => "stale_in_flight",
             Class::UnknownOutcome => "unknown_outcome",
             Class::FencedLeftover => "fenced_leftover",
+            Class::MovedInFlight => "moved_in_flight",
             Class::AnswerMismatch => "answer_mismatch",
             Class::WorkedTwice => "worked_twice",
         }
@@ -91,17 +101,23 @@ pub enum Orphan {
 /// Compares a key item with this region's ledger view of it.
 pub fn classify(key: &KeyItem, ledger: Option<&LedgerView>, region: &str, t: &Thresholds) -> Option<Class> {
     let finished_here = |l: &LedgerView| l.recovery_point == RecoveryPoint::FINISHED && l.payment_status.is_some();
+    let leftover = ledger.filter(|l| l.recovery_point != RecoveryPoint::VOIDED);
     match key.state {
-        KeyState::Finished if key.home_region != region => ledger
-            .filter(|l| l.recovery_point != RecoveryPoint::VOIDED && l.fence < key.fence)
-            .map(|_| Class::FencedLeftover),
+        // Finished elsewhere: what this ledger holds was superseded, unless
+        // it was written under the key's own fence or a newer one (one fence
+        // granted twice): then two regions hold the request.
+        KeyState::Finished if key.home_region != region => leftover.map(|l| {
+            if key.left.contains(region) || l.fence < key.fence { Class::FencedLeftover } else { Class::WorkedTwice }
+        }),
+        KeyState::Started if key.home_region != region => {
+            leftover.filter(|_| key.left.contains(region)).map(|_| Class::MovedInFlight)
+        }
         KeyState::Finished => match ledger {
             Some(l) if !finished_here(l) => Some(Class::PaymentMissing),
             None => Some(Class::PaymentMissing),
             Some(l) if l.answer != key.response => Some(Class::AnswerMismatch),
             Some(_) => None,
         },
-        KeyState::Started if key.home_region != region => None,
         KeyState::Started => {
             let lease_over = key.lease_until.plus(t.stale_after) < t.now;
             let unknown_too_long = ledger.and_then(|l| l.unknown_since).is_some_and(|since| {
@@ -115,6 +131,20 @@ pub fn classify(key: &KeyItem, ledger: Option<&LedgerView>, region: &str, t: &Th
             }
         }
     }
+}
+
+/// Whether `region` owned a request created at `since` throughout: the
+/// registry records no change of the region from `margin` (the clock-skew
+/// margin) before the request began, so no failover can have moved it and
+/// no other region can have worked it. Only then may the reconciler put a
+/// lost key back and resume the request here; otherwise its hand-off may
+/// be lost with the key (a key table restored from a backup), and a person
+/// must look before anything is settled again.
+pub fn owned_throughout(registry: &Registry, region: &str, since: Millis, margin: Duration) -> bool {
+    registry
+        .regions
+        .get(region)
+        .is_none_or(|c| c.state == RegionState::Active && c.at.saturating_add(margin.as_millis() as u64) < since.get())
 }
 
 /// A ledger request whose key is gone (checked with a consistent read).
@@ -165,6 +195,7 @@ mod tests {
             payment_id: Uuid::nil(),
             response: (state == KeyState::Finished).then(|| answer("a")),
             expires_at: None,
+            left: Default::default(),
         }
     }
 
@@ -211,6 +242,41 @@ mod tests {
         assert_eq!(classify(&theirs, Some(&leftover), "r", &T), Some(Class::FencedLeftover));
         let voided = view(RecoveryPoint::VOIDED, 3, None, None);
         assert_eq!(classify(&theirs, Some(&voided), "r", &T), None);
+        let same_fence = view(RecoveryPoint::FINISHED, 3, Some("b"), None);
+        assert_eq!(classify(&theirs, Some(&same_fence), "r", &T), Some(Class::WorkedTwice), "one fence, two homes");
+        let mut moved = theirs.clone();
+        moved.left.insert("r".into());
+        assert_eq!(classify(&moved, Some(&same_fence), "r", &T), Some(Class::FencedLeftover), "it left this region");
+    }
+
+    #[test]
+    fn keys_in_flight_in_another_region() {
+        let leftover = view(RecoveryPoint::named("EXT2_SENT"), 1, None, None);
+        let mut moved = key(KeyState::Started, 2, "elsewhere", NOW + 1000);
+        assert_eq!(classify(&moved, Some(&leftover), "r", &T), None, "never here as far as the key says");
+        moved.left.insert("r".into());
+        assert_eq!(classify(&moved, Some(&leftover), "r", &T), Some(Class::MovedInFlight));
+        assert_eq!(classify(&moved, None, "r", &T), None, "nothing here to void");
+        let voided = view(RecoveryPoint::VOIDED, 2, None, None);
+        assert_eq!(classify(&moved, Some(&voided), "r", &T), None);
+    }
+
+    #[test]
+    fn a_region_owned_a_request_only_if_never_declared_since_it_began() {
+        use crate::regions::Change;
+        let change =
+            |state, at| Change { region: "r".into(), state, epoch: 1, by: "sre".into(), at, reason: String::new() };
+        let mut registry = Registry::default();
+        let margin = Duration::from_secs(600);
+        assert!(owned_throughout(&registry, "r", Millis::new(NOW), margin), "never declared");
+        registry.regions.insert("r".into(), change(RegionState::Active, NOW - 700_000));
+        assert!(owned_throughout(&registry, "r", Millis::new(NOW), margin), "restored long before it began");
+        registry.regions.insert("r".into(), change(RegionState::Active, NOW - 500_000));
+        assert!(!owned_throughout(&registry, "r", Millis::new(NOW), margin), "too close to tell, with skew");
+        registry.regions.insert("r".into(), change(RegionState::Active, NOW + 1000));
+        assert!(!owned_throughout(&registry, "r", Millis::new(NOW), margin), "failed and restored since");
+        registry.regions.insert("r".into(), change(RegionState::Failed, NOW - 700_000));
+        assert!(!owned_throughout(&registry, "r", Millis::new(NOW), margin), "failed now");
     }
 
     #[test]
@@ -230,7 +296,6 @@ mod tests {
         let short_unknown = view(RecoveryPoint::named("EXT2_SENT"), 1, None, Some(NOW - 1_000));
         assert_eq!(classify(&fresh, Some(&long_unknown), "r", &T), Some(Class::UnknownOutcome));
         assert_eq!(classify(&fresh, Some(&short_unknown), "r", &T), None);
-        assert_eq!(classify(&key(KeyState::Started, 1, "elsewhere", 0), None, "r", &T), None);
     }
 
     #[test]

@@ -2,11 +2,15 @@
 //! repairs what disagrees, after a regional failover, a crash between the
 //! two writes, or a restore of either store from a backup.
 //!
-//! It scans the key table in parallel segments, looks up each page of keys
-//! in the ledger with one query, and classifies each request
-//! ([`classify`]); then it lists the ledger's requests in the window and
-//! checks that each still has a key (one finished longer ago than the
-//! retention has expired, as keys are meant to: counted, never resurrected).
+//! It reads first the hand-offs of requests that were failed over away
+//! from this region (each names a leftover here, whatever became of the
+//! request elsewhere); then it scans the key table in parallel segments,
+//! looks up each page of keys in the ledger with one query, and classifies
+//! each request ([`classify`]); then it lists the ledger's requests in the
+//! window and checks that each still has a key (one finished longer ago
+//! than the retention has expired, as keys are meant to: counted, never
+//! resurrected; one unfinished is put back only if this region owned it
+//! throughout, never in another region's place).
 //! With `repair` it fixes each finding through the fence protocol
 //! ([`repair`]), so it is safe beside live traffic, the recovery worker and
 //! another reconciler, and safe to run again after being killed halfway;
@@ -23,17 +27,31 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 
-use crate::domain::Millis;
+use crate::domain::{Millis, RecoveryPoint};
 use crate::engine::{Engine, EngineError};
-use crate::keystore::{KeyItem, KeyStore};
+use crate::keystore::{Handoff, INFLIGHT_SHARDS, KeyItem, KeyStore};
 use crate::ledger::views::{LedgerView, RequestId};
 
-pub use classify::{Class, Orphan, Thresholds, classify, classify_orphan};
+pub use classify::{Class, Orphan, Thresholds, classify, classify_orphan, owned_throughout};
 pub use repair::Repair;
-pub use report::{Finding, Report};
+pub use report::{Answered, Finding, Report};
 
 /// A finding with what both stores held, for its repair.
-type Found = (Finding, Option<KeyItem>, Option<LedgerView>);
+struct Found {
+    finding: Finding,
+    key: Option<KeyItem>,
+    view: Option<LedgerView>,
+    /// The hand-off that named the request, if one did.
+    handoff: Option<Handoff>,
+    /// Why the finding must not be repaired automatically, if it must not.
+    hold: Option<String>,
+}
+
+impl Found {
+    fn new(finding: Finding, key: Option<KeyItem>, view: Option<LedgerView>) -> Self {
+        Self { finding, key, view, handoff: None, hold: None }
+    }
+}
 
 /// Repairs running at once.
 const PARALLEL_REPAIRS: usize = 8;
@@ -61,27 +79,38 @@ pub trait Progress: Sync {
 }
 
 /// Compares, and repairs if asked; returns what was found and done.
+///
+/// First the hand-offs of requests that left this region: each names a
+/// leftover here, voided whatever the request's state elsewhere (in
+/// flight, finished or long expired), before anything else looks at it.
+/// Then the key table, then the ledger's requests whose key is gone.
 pub async fn run<K: KeyStore>(
     engine: &Engine<K>,
     options: &Options,
     progress: &impl Progress,
 ) -> Result<Report, EngineError> {
     let started = Instant::now();
+    let retention = engine.retention();
     let thresholds = Thresholds {
         now: Millis::now(),
         stale_after: options.stale_after,
         unknown_after: options.unknown_after,
-        retention: engine.retention().keep + engine.retention().grace,
+        retention: retention.keep + retention.grace,
     };
-    let gone_before = engine.retention().gone_before(thresholds.now);
+    let gone_before = retention.gone_before(thresholds.now);
+    let registry = engine.regions().fresh().await?;
     let found: Mutex<Vec<Found>> = Mutex::default();
     let seen: Mutex<HashSet<RequestId>> = Mutex::default();
     let scanned = Mutex::new(0_usize);
     // Time spent waiting on each store, summed over segments.
     let waited = Mutex::new((Duration::ZERO, Duration::ZERO));
 
+    let (handed, cleared) = handoffs(engine, &found).await?;
+    let handoffs = handed.len();
+    let handed: HashSet<RequestId> = handed.into_iter().collect();
+
     let segments = (0..options.segments.max(1)).map(|segment| {
-        let (found, seen, scanned, waited) = (&found, &seen, &scanned, &waited);
+        let (found, seen, scanned, waited, handed) = (&found, &seen, &scanned, &waited, &handed);
         async move {
             let mut cursor = None;
             loop {
@@ -103,9 +132,15 @@ pub async fn run<K: KeyStore>(
                 for item in items {
                     let id = (item.key.partition_key(), item.created_at);
                     let view = views.get(&id).cloned();
-                    if let Some(class) = classify(&item, view.as_ref(), engine.region(), &thresholds) {
-                        let finding = Finding::new(class, &item.key, item.payment_id, evidence(&item, view.as_ref()));
-                        lock(found).push((finding, Some(item), view));
+                    let class = classify(&item, view.as_ref(), engine.region(), &thresholds);
+                    if let Some(class) = class.filter(|_| !handed.contains(&id)) {
+                        let mut finding =
+                            Finding::new(class, &item.key, item.payment_id, evidence(&item, view.as_ref()));
+                        if class == Class::WorkedTwice {
+                            finding.answered =
+                                Some(Answered { payment_id: item.payment_id, region: item.home_region.clone() });
+                        }
+                        lock(found).push(Found::new(finding, Some(item), view));
                     }
                     lock(seen).insert(id);
                 }
@@ -137,52 +172,76 @@ pub async fn run<K: KeyStore>(
         lock(&waited).1 += asked.elapsed();
         let view = view?;
         ledger_rows_scanned += 1;
-        let orphan = !seen.contains(&(view.record.key.partition_key(), view.record.created_at));
+        let id = (view.record.key.partition_key(), view.record.created_at);
+        let orphan = !seen.contains(&id) && !handed.contains(&id);
         let kind = classify_orphan(&view, &thresholds);
         if orphan && kind != Orphan::Voided {
             let ours = format!("ledger at {} under fence {}", view.recovery_point, view.fence);
-            let (class, evidence) = match engine.keys().get(&view.record.key).await?.filter(|i| !i.expired(gone_before))
-            {
-                Some(item) if item.created_at == view.record.created_at => (None, String::new()),
-                _ if kind == Orphan::Expired => {
-                    expired += 1;
-                    (None, String::new())
-                }
-                Some(item) => (
-                    Some(Class::WorkedTwice),
-                    format!(
+            match engine.keys().get(&view.record.key).await?.filter(|i| !i.expired(gone_before)) {
+                Some(item) if item.created_at == view.record.created_at => {}
+                _ if kind == Orphan::Expired => expired += 1,
+                Some(item) => {
+                    let evidence = format!(
                         "{ours}; the key names another request (payment {}, home {}, {})",
                         item.payment_id,
                         item.home_region,
                         item.state.as_str()
-                    ),
-                ),
-                None => (Some(Class::KeyMissing), format!("{ours}; no key item")),
-            };
-            if let Some(class) = class {
-                let finding = Finding::new(class, &view.record.key, view.record.payment_id, evidence);
-                lock(&found).push((finding, None, Some(view)));
+                    );
+                    let mut finding =
+                        Finding::new(Class::WorkedTwice, &view.record.key, view.record.payment_id, evidence);
+                    finding.answered = Some(Answered { payment_id: item.payment_id, region: item.home_region });
+                    lock(&found).push(Found::new(finding, None, Some(view)));
+                }
+                None => {
+                    let owned = owned_throughout(&registry, engine.region(), view.record.created_at, retention.grace);
+                    let evidence = if owned {
+                        format!("{ours}; no key item")
+                    } else {
+                        format!(
+                            "{ours}; no key item, and this region was declared failed or restored since the request began"
+                        )
+                    };
+                    let finding = Finding::new(Class::KeyMissing, &view.record.key, view.record.payment_id, evidence);
+                    let mut found_one = Found::new(finding, None, Some(view));
+                    found_one.hold = (!owned).then(|| {
+                        "not repaired: another region may have taken it over while this one was declared failed, \
+                         and no hand-off says so (a key table restored from a backup loses them); never re-homed: \
+                         look the payment up in every region's ledger, and probe the rails by its derived keys, \
+                         before settling anything"
+                            .to_owned()
+                    });
+                    lock(&found).push(found_one);
+                }
             }
         }
         asked = Instant::now();
     }
 
     let mut found = found.into_inner().unwrap_or_else(|p| p.into_inner());
-    found.sort_by(|a, b| (a.0.class, &a.0.client_id, &a.0.key).cmp(&(b.0.class, &b.0.client_id, &b.0.key)));
+    found.sort_by(|a, b| {
+        let (a, b) = (&a.finding, &b.finding);
+        (a.class, &a.client_id, &a.key).cmp(&(b.class, &b.client_id, &b.key))
+    });
+    let mut handoffs_cleared = 0;
     if options.repair {
         progress.repairing(found.len());
-        let repaired: Vec<_> = futures::stream::iter(found.iter_mut())
-            .map(|(finding, key, view)| async move {
-                finding.repair = Some(match repair::repair(engine, finding.class, key.as_ref(), view.as_ref()).await {
+        futures::stream::iter(found.iter_mut())
+            .for_each_concurrent(PARALLEL_REPAIRS, |found| async move {
+                found.finding.repair = Some(match repair::repair(engine, found).await {
                     Ok(done) => done,
                     Err(e) => Repair { resolved: false, action: format!("repair failed: {e}") },
                 });
                 progress.repaired();
             })
-            .buffer_unordered(PARALLEL_REPAIRS)
-            .collect()
             .await;
-        drop(repaired);
+        for handoff in &cleared {
+            engine.keys().forget_handoff(handoff).await?;
+            handoffs_cleared += 1;
+        }
+        handoffs_cleared += found
+            .iter()
+            .filter(|f| f.handoff.is_some() && f.finding.repair.as_ref().is_some_and(|r| r.resolved))
+            .count();
     }
     let (key_store_seconds, ledger_seconds) = waited.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok(Report {
@@ -193,10 +252,53 @@ pub async fn run<K: KeyStore>(
         keys_scanned: scanned.into_inner().unwrap_or_else(|p| p.into_inner()),
         ledger_rows_scanned,
         expired,
-        findings: found.into_iter().map(|(finding, _, _)| finding).collect(),
+        handoffs,
+        handoffs_cleared,
+        findings: found.into_iter().map(|f| f.finding).collect(),
         indeterminate: engine.ledger().indeterminate().await?,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Reads every hand-off of a request that left this region; each one whose
+/// leftover is still here becomes a `moved_in_flight` finding. Returns the
+/// requests they name, and the hand-offs with nothing left here to void.
+async fn handoffs<K: KeyStore>(
+    engine: &Engine<K>,
+    found: &Mutex<Vec<Found>>,
+) -> Result<(Vec<RequestId>, Vec<Handoff>), EngineError> {
+    let mut all = Vec::new();
+    for shard in 0..INFLIGHT_SHARDS {
+        all.extend(engine.keys().handoffs(engine.region(), shard).await?);
+    }
+    let mut named = Vec::new();
+    let mut cleared = Vec::new();
+    for page in all.chunks(100) {
+        let wanted: Vec<_> = page.iter().map(|h| (h.key.clone(), h.created_at)).collect();
+        let views = engine.ledger().views(&wanted).await?;
+        for handoff in page {
+            let id = (handoff.key.partition_key(), handoff.created_at);
+            match views.get(&id).filter(|v| v.recovery_point != RecoveryPoint::VOIDED) {
+                Some(view) => {
+                    let evidence = format!(
+                        "failed over to {} under fence {} (hand-off); this ledger at {} under fence {}, payment {}",
+                        handoff.to,
+                        handoff.fence,
+                        view.recovery_point,
+                        view.fence,
+                        view.payment_status.as_deref().unwrap_or("missing"),
+                    );
+                    let finding = Finding::new(Class::MovedInFlight, &handoff.key, handoff.payment_id, evidence);
+                    let mut one = Found::new(finding, None, Some(view.clone()));
+                    one.handoff = Some(handoff.clone());
+                    lock(found).push(one);
+                }
+                None => cleared.push(handoff.clone()),
+            }
+            named.push(id);
+        }
+    }
+    Ok((named, cleared))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -22,7 +22,7 @@ use crate::engine::{Answer, Engine, EngineError, PaymentOperation, Recovery};
 use crate::keystore::{KeyItem, KeyState, KeyStore, KeyStoreError, StaleKey};
 use crate::ledger::views::LedgerView;
 
-use super::Class;
+use super::{Class, Found};
 
 /// What a repair did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -45,14 +45,13 @@ enum Acted {
     Unresolved(String),
 }
 
-/// Repairs one finding. `key` is the item as scanned (absent for a missing
-/// key); `ledger` is this region's view of the request.
-pub async fn repair<K: KeyStore>(
-    engine: &Engine<K>,
-    class: Class,
-    key: Option<&KeyItem>,
-    ledger: Option<&LedgerView>,
-) -> Result<Repair, EngineError> {
+/// Repairs one finding: its key item as scanned (absent for a missing
+/// key), this region's view of the request, and the hand-off that named it.
+pub(super) async fn repair<K: KeyStore>(engine: &Engine<K>, found: &Found) -> Result<Repair, EngineError> {
+    let (class, key, ledger) = (found.finding.class, found.key.as_ref(), found.view.as_ref());
+    if let Some(hold) = &found.hold {
+        return Ok(Repair { resolved: false, action: hold.clone() });
+    }
     let acted = match (class, key, ledger) {
         (Class::PaymentMissing, Some(key), ledger) => rebuild(engine, key, ledger).await?,
         (Class::UnknownOutcome, Some(key), _) if key.lease_until >= Millis::now() => Acted::Unresolved(format!(
@@ -63,19 +62,30 @@ pub async fn repair<K: KeyStore>(
             resume(engine, key).await?
         }
         (Class::KeyMissing, None, Some(ledger)) => restore_key(engine, ledger).await?,
-        (Class::FencedLeftover, Some(key), Some(ledger)) => {
-            engine.ledger().void(&ledger.record, key.fence, &ledger.recovery_point).await?;
-            Acted::Done(format!(
-                "voided this ledger's entries (written under fence {}) by compensating postings",
-                ledger.fence
-            ))
+        (Class::FencedLeftover | Class::MovedInFlight, key, Some(ledger)) => {
+            let Some(fence) = found.handoff.as_ref().map(|h| h.fence).or(key.map(|k| k.fence)) else {
+                return Err(EngineError::Fault("a leftover names no fence to void it under".into()));
+            };
+            match engine.ledger().void(&ledger.record, fence, &ledger.recovery_point).await {
+                Ok(()) => Acted::Done(format!(
+                    "voided this ledger's entries (written under fence {}) by compensating postings",
+                    ledger.fence
+                )),
+                // Another reconciler voided it first, or a newer owner wrote here.
+                Err(crate::ledger::LedgerError::OutOfOrder { .. } | crate::ledger::LedgerError::FencedOut { .. }) => {
+                    Acted::Others("the ledger moved on meanwhile".into())
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         (Class::AnswerMismatch, _, _) => Acted::Unresolved(
             "not repaired: clients have been given the key store's answer; compare both and decide by hand".into(),
         ),
         (Class::WorkedTwice, _, _) => Acted::Unresolved(
-            "not repaired: two payments were made under one key, and this one's instructions reached the rails \
-             under its own derived keys; settle or refund it by hand"
+            "not repaired: the key was worked twice; clients hold the answer of the copy named as answered. Before \
+             refunding this ledger's copy, look its payment id up in every region's ledger: held there too, it is \
+             the same payment (one instruction at each rail) and this copy is only to be voided; held nowhere \
+             else, its instructions reached the rails under its own derived keys: refund them"
                 .into(),
         ),
         (class, _, _) => return Err(EngineError::Fault(format!("{class:?}: the finding lacks what its repair needs"))),
@@ -92,6 +102,9 @@ pub async fn repair<K: KeyStore>(
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         if gone(engine, class, request, key).await? {
+            if let Some(handoff) = &found.handoff {
+                engine.keys().forget_handoff(handoff).await?;
+            }
             return Ok(Repair { resolved: true, action });
         }
         if tokio::time::Instant::now() >= deadline {
@@ -112,11 +125,13 @@ async fn gone<K: KeyStore>(
     let finished = item.as_ref().is_some_and(|item| item.state == KeyState::Finished);
     Ok(match class {
         Class::KeyNotFinished | Class::StaleInFlight | Class::UnknownOutcome | Class::KeyMissing => finished,
-        Class::PaymentMissing | Class::FencedLeftover => {
+        Class::PaymentMissing | Class::FencedLeftover | Class::MovedInFlight => {
             let views = engine.ledger().views(&[(key.clone(), created_at)]).await?;
             let view = views.into_values().next();
             match class {
-                Class::FencedLeftover => view.is_some_and(|v| v.recovery_point == RecoveryPoint::VOIDED),
+                Class::FencedLeftover | Class::MovedInFlight => {
+                    view.is_some_and(|v| v.recovery_point == RecoveryPoint::VOIDED)
+                }
                 _ => view.is_some_and(|v| {
                     v.recovery_point == RecoveryPoint::FINISHED
                         && v.payment_status.is_some()
@@ -192,6 +207,7 @@ async fn restore_key<K: KeyStore>(engine: &Engine<K>, ledger: &LedgerView) -> Re
         payment_id: ledger.record.payment_id,
         response: if finished { ledger.answer.clone() } else { None },
         expires_at: finished.then(|| engine.retention().expires_at(Millis::now()).as_secs()),
+        left: Default::default(),
     };
     Ok(match engine.keys().restore(&item).await {
         Ok(()) if finished => Acted::Done("recreated the finished key with the ledger's answer".into()),

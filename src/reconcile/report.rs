@@ -20,8 +20,20 @@ pub struct Finding {
     pub payment_id: Uuid,
     /// What each store said.
     pub evidence: String,
+    /// For `worked_twice`: the copy clients are answered for the key, which
+    /// is the one to keep; the other copy is this ledger's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answered: Option<Answered>,
     /// Present when repairs were asked for.
     pub repair: Option<Repair>,
+}
+
+/// The copy of a request whose answer clients hold.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Answered {
+    pub payment_id: Uuid,
+    /// The region whose ledger holds it.
+    pub region: String,
 }
 
 impl Finding {
@@ -32,6 +44,7 @@ impl Finding {
             key: key.key.as_str().to_owned(),
             payment_id,
             evidence,
+            answered: None,
             repair: None,
         }
     }
@@ -50,6 +63,10 @@ pub struct Report {
     /// Ledger requests finished longer ago than the retention whose key is
     /// gone, as it is meant to be: no divergence.
     pub expired: usize,
+    /// Hand-offs of requests that left this region, read first.
+    pub handoffs: usize,
+    /// Hand-offs removed: their leftover here was voided (or never existed).
+    pub handoffs_cleared: usize,
     pub findings: Vec<Finding>,
     pub indeterminate: Vec<Indeterminate>,
     pub seconds: f64,
@@ -91,6 +108,8 @@ impl Report {
             "keys_scanned": self.keys_scanned,
             "ledger_rows_scanned": self.ledger_rows_scanned,
             "expired": self.expired,
+            "handoffs": self.handoffs,
+            "handoffs_cleared": self.handoffs_cleared,
             "seconds": self.seconds,
             "key_store_seconds": self.key_store_seconds,
             "ledger_seconds": self.ledger_seconds,
@@ -107,6 +126,12 @@ impl Report {
         for f in &self.findings {
             out += &format!("{:<17} client {} key {} payment {}\n", f.class.as_str(), f.client_id, f.key, f.payment_id);
             out += &format!("{:<17}   {}\n", "", f.evidence);
+            if let Some(answered) = &f.answered {
+                out += &format!(
+                    "{:<17}   clients are answered payment {} in region {}: keep that one\n",
+                    "", answered.payment_id, answered.region
+                );
+            }
             if let Some(repair) = &f.repair {
                 let mark = if repair.resolved { "repaired" } else { "NOT repaired" };
                 out += &format!("{:<17}   {mark}: {}\n", "", repair.action);
@@ -125,6 +150,10 @@ impl Report {
             out += &format!("{class:<18} {:>7} {:>9}\n", count.found, count.repaired);
         }
         out += &format!("expired (past retention, key gone as meant): {}\n", self.expired);
+        out += &format!(
+            "hand-offs of requests that left this region: {} ({} cleared)\n",
+            self.handoffs, self.handoffs_cleared
+        );
         out += &format!("unrepaired divergence: {}\n", self.unrepaired());
         if !self.indeterminate.is_empty() {
             out += &format!("indeterminate external calls, for settlement: {}\n", self.indeterminate.len());

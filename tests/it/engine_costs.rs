@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
 use keyfence::engine::{Answer, Engine, EngineSettings, PaymentOperation, Rails, Submission};
-use keyfence::keystore::{Claim, Finish, Holder, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
+use keyfence::keystore::{Claim, Finish, Handoff, Holder, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
 use keyfence::rail::RailClient;
 use keyfence::regions::{RegionStore, RegionView};
 use keyfence::startup::REGION_VIEW_AGE;
@@ -96,6 +96,22 @@ impl<K: KeyStore> KeyStore for Counting<K> {
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
         self.note("stale_in_flight");
         self.inner.stale_in_flight(shard, now).await
+    }
+    async fn hand_off(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
+        self.note("hand_off");
+        self.inner.hand_off(handoff).await
+    }
+    async fn handoffs(&self, from: &str, shard: u64) -> Result<Vec<Handoff>, KeyStoreError> {
+        self.note("handoffs");
+        self.inner.handoffs(from, shard).await
+    }
+    async fn handoff_of(&self, from: &str, key: &ScopedKey, created_at: Millis) -> Result<bool, KeyStoreError> {
+        self.note("handoff_of");
+        self.inner.handoff_of(from, key, created_at).await
+    }
+    async fn forget_handoff(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
+        self.note("forget_handoff");
+        self.inner.forget_handoff(handoff).await
     }
 }
 

@@ -39,6 +39,8 @@ mod reconcile;
 mod reconcile_crashes;
 #[cfg(feature = "failpoints")]
 mod regions;
+#[cfg(feature = "failpoints")]
+mod seams;
 mod store_errors;
 mod takeovers;
 mod telemetry;

@@ -287,6 +287,7 @@ async fn a_finished_key_whose_instructions_never_reached_the_rails_is_completed_
         payment_id: uuid::Uuid::now_v7(),
         response: Some(answer.clone()),
         expires_at: None,
+        left: Default::default(),
     };
     app.keys.store.restore(&item).await.unwrap();
 
@@ -402,9 +403,12 @@ async fn a_key_claimed_twice_is_reported_as_worked_twice_and_left_for_a_person()
     assert_eq!(report.unrepaired(), 1);
     let first: Vec<Value> = app.e2.statement().await.into_iter().map(|a| json!(a.idempotency_key)).collect();
     assert_eq!(first.len(), 2, "both reached the rail");
-    assert!(report.table().contains("settle or refund it by hand"), "{}", report.table());
     let stored = app.keys.store.get(&key).await.unwrap().unwrap();
     assert_eq!(stored.response.unwrap().body, again, "the key keeps the answer of the request it names");
+    let answered = report.findings[0].answered.clone().expect("names the answered copy");
+    assert_eq!((answered.payment_id, answered.region.as_str()), (stored.payment_id, "test-1"));
+    assert_ne!(answered.payment_id, report.findings[0].payment_id, "the duplicate is this ledger's other copy");
+    assert!(report.table().contains("look its payment id up in every region's ledger"), "{}", report.table());
 }
 
 /// A takeover adopts a request's row at `STARTED`, with no payment yet; its
@@ -430,6 +434,7 @@ async fn a_leftover_that_never_committed_a_phase_is_voided() {
         payment_id: uuid::Uuid::now_v7(),
         response: Some(answer),
         expires_at: Some(Millis::now().plus(Duration::from_secs(3600)).as_secs()),
+        left: Default::default(),
     };
     app.keys.store.seed(std::slice::from_ref(&item)).await.unwrap();
     let record = keyfence::ledger::RequestRecord {

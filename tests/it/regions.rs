@@ -75,9 +75,13 @@ async fn a_failed_regions_instance_takes_on_nothing_until_restored() {
     assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE, "a failed region's instance is not ready");
     assert_eq!(ready.json::<Value>().await.unwrap()["region_state"], "failed");
 
+    // The instance fenced its own ledger meanwhile; restored, it opens it
+    // again, and is ready once it has.
     declare(&app, "test-1", RegionState::Active).await;
-    let ready = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap();
-    assert_eq!(ready.status(), StatusCode::OK, "ready once restored");
+    crate::harness::eventually("ready once restored", async || {
+        app.http.get(format!("{}/readyz", app.url)).send().await.unwrap().status() == StatusCode::OK
+    })
+    .await;
     assert_eq!(app.pay("failed-region-1", &body).await.status(), StatusCode::CREATED, "serving again");
 }
 
@@ -147,7 +151,11 @@ async fn a_dead_regions_request_finishes_in_another_once_the_region_is_declared_
         segments: 2,
     };
     let report = reconcile::run(&a_engine, &options, &Quiet).await.unwrap();
-    assert_eq!(report.findings.iter().map(|f| f.class).collect::<Vec<_>>(), [Class::FencedLeftover]);
+    assert_eq!(
+        report.findings.iter().map(|f| f.class).collect::<Vec<_>>(),
+        [Class::MovedInFlight],
+        "named by its hand-off"
+    );
     assert_eq!(report.unrepaired(), 0, "{}", report.table());
     assert_eq!(payments_in(app.db.ledger.pool(), "voided").await, 1);
     assert_eq!(app.unbalanced_payments().await, 0);

@@ -1,0 +1,215 @@
+//! The seams between regions, following docs/failover.md to the letter: a
+//! request in flight in region A when A goes dark is failed over to B and
+//! finished there. Whatever happens next (A stays out past the retention
+//! and the key expires, A's reconciler runs while B still works the
+//! request, the client reuses the key after its retention), A's leftover is
+//! voided, never worked again: no second settlement, no key recreated in A,
+//! no instruction sent twice, and step 5 of the runbook does not pass until
+//! the leftover is voided.
+
+use std::time::Duration;
+
+use keyfence::config::{RetentionSettings, ServeSettings};
+use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
+use keyfence::keystore::{INFLIGHT_SHARDS, KeyStore};
+use keyfence::reconcile::{self, Class, Options, Report};
+use keyfence::regions::{self, RegionState, RegionStore};
+use keyfence::startup::{REGION_VIEW_AGE, build_engine};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::app::{TestApp, TestRegion, payment, spawn_app_with};
+use crate::process::{ServeProcess, keyfence_command};
+use crate::reconcile::Quiet;
+
+/// Keys expire two seconds after they finish, and are gone four after that.
+fn short_retention(settings: &mut ServeSettings) {
+    settings.engine.work.retention = RetentionSettings {
+        retention: Some(Duration::from_secs(2)),
+        retention_hours: None,
+        grace: Duration::from_secs(4),
+    };
+}
+
+async fn declare(app: &TestApp, state: RegionState) {
+    let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    regions::declare(&store, None, "test-1", state, "sre", "region A went dark").await.unwrap();
+    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+}
+
+async fn reconcile_in(settings: &ServeSettings, repair: bool) -> Report {
+    let engine = build_engine(&settings.engine).await.unwrap();
+    let options = Options {
+        since: Millis::new(0),
+        until: Millis::now().plus(Duration::from_secs(60)),
+        repair,
+        stale_after: Duration::ZERO,
+        unknown_after: Duration::ZERO,
+        segments: 2,
+    };
+    reconcile::run(&engine, &options, &Quiet).await.unwrap()
+}
+
+fn classes(report: &Report) -> Vec<Class> {
+    report.findings.iter().map(|f| f.class).collect()
+}
+
+/// A's instance dies right after committing its intent to pay at E2; A is
+/// declared failed; the client's retry at B fails the key over and B
+/// finishes it. Returns the key and B's 201.
+async fn moved_to_b(app: &TestApp, b: &TestRegion, key: &str) -> (ScopedKey, Value) {
+    let body = payment(&format!("E2E-{key}"));
+    let mut a = ServeProcess::start(app, Some("after-commit:EXT2_SENT=return"), 0).await;
+    assert!(app.try_pay_at(&a.url, &app.api_key, key, &body).await.is_err(), "A died mid-request");
+    a.exited().await;
+    declare(app, RegionState::Failed).await;
+    let done = app.try_pay_at(&b.url, &app.api_key, key, &body).await.unwrap();
+    assert_eq!(done.status(), StatusCode::CREATED, "B failed the key over and finished it");
+    let scoped = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(key).unwrap());
+    (scoped, done.json().await.unwrap())
+}
+
+/// The key's retention (and its grace) runs out; the sweeper deletes it.
+async fn expire(app: &TestApp, key: &ScopedKey) {
+    let item = app.keys.store.get(key).await.unwrap().expect("the key is there");
+    let gone_at = Millis::new((item.expires_at.unwrap() + 4 + 1) * 1000);
+    tokio::time::sleep(Duration::from_millis(gone_at.get().saturating_sub(Millis::now().get()))).await;
+    let run = keyfence_command(app, "maintain")
+        .args(["--expire", "--json"])
+        .env("KEYFENCE_RETENTION_GRACE", "4s")
+        .output()
+        .await
+        .unwrap();
+    let report: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(report["deleted"], 1, "{report}");
+    assert_eq!(app.keys.store.get(key).await.unwrap(), None, "the key is gone");
+}
+
+async fn scalar(pool: &sqlx::PgPool, sql: &'static str) -> String {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+async fn handoffs_from_a(app: &TestApp) -> Vec<keyfence::keystore::Handoff> {
+    let mut all = Vec::new();
+    for shard in 0..INFLIGHT_SHARDS {
+        all.extend(app.keys.store.handoffs("test-1", shard).await.unwrap());
+    }
+    all
+}
+
+/// The runbook's own interleaving: A stays out longer than the retention,
+/// the key expires, A comes back and its reconciler runs with `--repair`.
+/// It must void A's leftover, not recreate the key and settle it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_out_past_the_retention_voids_its_leftover_and_settles_nothing_again() {
+    let app = spawn_app_with(short_retention).await;
+    let b = app.second_region("test-2").await;
+    let (key, answered) = moved_to_b(&app, &b, "out-long-1").await;
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT recovery_point FROM requests").await, "EXT2_SENT");
+    assert_eq!(handoffs_from_a(&app).await.len(), 1, "B recorded that the request left A");
+    expire(&app, &key).await;
+
+    declare(&app, RegionState::Active).await;
+    let report = reconcile_in(&app.settings, false).await;
+    assert_eq!(classes(&report), [Class::MovedInFlight], "{}", report.table());
+    let repaired = reconcile_in(&app.settings, true).await;
+    assert_eq!(repaired.unrepaired(), 0, "{}", repaired.table());
+    assert_eq!(repaired.handoffs_cleared, 1);
+
+    assert_eq!(app.keys.store.get(&key).await.unwrap(), None, "the key was not recreated");
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT recovery_point FROM requests").await, "VOIDED");
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT status FROM payments").await, "voided");
+    let settled: i64 = sqlx::query_scalar("SELECT count(*) FROM phase_runs WHERE point IN ('EXT2_DONE', 'FINISHED')")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(settled, 0, "A never settled it");
+    assert_eq!(app.unbalanced_payments().await, 0);
+    assert_eq!((app.e1.statement().await.len(), app.e2.statement().await.len()), (1, 1), "one instruction each");
+    assert!(handoffs_from_a(&app).await.is_empty(), "the hand-off is removed once the leftover is voided");
+
+    let again = reconcile_in(&app.settings, false).await;
+    assert!(again.findings.is_empty(), "{}", again.table());
+    let in_b = reconcile_in(&b.settings, false).await;
+    assert!(in_b.findings.is_empty(), "{}", in_b.table());
+    let there: String = sqlx::query_scalar("SELECT status FROM payments WHERE id = $1")
+        .bind(uuid::Uuid::parse_str(answered["id"].as_str().unwrap()).unwrap())
+        .fetch_one(b.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(there, "succeeded", "the copy the client was answered stands");
+}
+
+/// A's reconciler runs while the request is still in flight in B (parked
+/// on an unknown outcome at E2, typical during an incident): the runbook's
+/// step 5 must not pass (exit 1, `moved_in_flight`) until A's leftover is
+/// voided; B then finishes it, and nothing is paid twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciling_a_region_whose_request_is_still_in_flight_elsewhere_does_not_pass_until_voided() {
+    let app = spawn_app_with(|_| {}).await;
+    let b = app.second_region("test-2").await;
+    let body = payment("E2E-still-1");
+    let mut a = ServeProcess::start(&app, Some("after-commit:EXT2_SENT=return"), 0).await;
+    assert!(app.try_pay_at(&a.url, &app.api_key, "still-1", &body).await.is_err());
+    a.exited().await;
+    declare(&app, RegionState::Failed).await;
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    let parked = app.try_pay_at(&b.url, &app.api_key, "still-1", &body).await.unwrap();
+    assert_eq!(parked.status(), StatusCode::ACCEPTED, "B took it over and parked it on E2");
+    declare(&app, RegionState::Active).await;
+
+    let step5 = keyfence_command(&app, "reconcile").output().await.unwrap();
+    let out = String::from_utf8_lossy(&step5.stdout);
+    assert_eq!(step5.status.code(), Some(1), "step 5 must not pass: {out}");
+    assert!(out.contains("moved_in_flight"), "{out}");
+    let repair = keyfence_command(&app, "reconcile").arg("--repair").output().await.unwrap();
+    assert_eq!(repair.status.code(), Some(0), "{}", String::from_utf8_lossy(&repair.stdout));
+    let done = keyfence_command(&app, "reconcile").output().await.unwrap();
+    assert_eq!(done.status.code(), Some(0), "{}", String::from_utf8_lossy(&done.stdout));
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT recovery_point FROM requests").await, "VOIDED");
+
+    app.e2.clear_faults().await;
+    let finished = app.try_pay_at(&b.url, &app.api_key, "still-1", &body).await.unwrap();
+    assert_eq!(finished.status(), StatusCode::CREATED, "B finishes it");
+    assert_eq!(app.e2.statement().await.len(), 1, "one instruction at E2");
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT recovery_point FROM requests").await, "VOIDED", "A stays out");
+    let settled_in_b: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE status = 'succeeded'")
+        .fetch_one(b.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(settled_in_b, 1);
+}
+
+/// The client reuses the key after its retention: a new request. A's
+/// leftover of the old one is still voided through its hand-off, never
+/// taken for a second payment to refund. Had the hand-off been lost (a key
+/// table restored from an older backup), the finding is `worked_twice`, and
+/// it names the copy clients are answered for the key, to keep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_reused_after_its_retention_leaves_the_old_leftover_to_be_voided_not_refunded() {
+    let app = spawn_app_with(short_retention).await;
+    let b = app.second_region("test-2").await;
+    let (key, _) = moved_to_b(&app, &b, "reused-2").await;
+    expire(&app, &key).await;
+    declare(&app, RegionState::Active).await;
+    let reused = app.try_pay_at(&b.url, &app.api_key, "reused-2", &payment("E2E-reused-2b")).await.unwrap();
+    assert_eq!(reused.status(), StatusCode::CREATED, "a new request under the old key");
+    let new_id = reused.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+
+    let report = reconcile_in(&app.settings, false).await;
+    assert_eq!(classes(&report), [Class::MovedInFlight], "voided, not refunded: {}", report.table());
+
+    // The hand-off lost: the leftover is ambiguous, and a person decides.
+    for handoff in handoffs_from_a(&app).await {
+        app.keys.store.forget_handoff(&handoff).await.unwrap();
+    }
+    let report = reconcile_in(&app.settings, true).await;
+    assert_eq!(classes(&report), [Class::WorkedTwice], "{}", report.table());
+    let answered = report.findings[0].answered.as_ref().expect("the answered copy is named");
+    assert_eq!((answered.payment_id.to_string(), answered.region.as_str()), (new_id.clone(), "test-2"));
+    let table = report.table();
+    assert!(table.contains(&format!("clients are answered payment {new_id} in region test-2: keep that one")));
+    assert!(table.contains("look its payment id up in every region's ledger"), "{table}");
+    assert_eq!(report.unrepaired(), 1, "left for a person");
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT recovery_point FROM requests").await, "EXT2_SENT", "untouched");
+}
