@@ -341,6 +341,13 @@ pub struct ServeSettings {
     /// what only it holds. Default: http:// and the address `serve` listens on.
     #[arg(long = "public-url", env = "KEYFENCE_PUBLIC_URL")]
     pub public_url: Option<String>,
+    /// Every region runs on this machine (development and tests): advertise a loopback or
+    /// unspecified address too. Without it such a URL is not advertised, since another
+    /// region asking it would reach its own front door.
+    #[arg(long = "local-regions", env = "KEYFENCE_LOCAL_REGIONS", default_value_t = false,
+          value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
+          default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub local_regions: bool,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,

@@ -10,7 +10,9 @@
 //! `after-call:ext1`, `before-commit:EXT2_SENT`, `after-commit:EXT2_SENT`,
 //! `after-call:ext2`, `before-commit:FINISHED`, `after-commit:FINISHED`;
 //! and `before-phase:{point}` (after the lease check, before the phase
-//! begins) for each of the three phases, where a stall makes a zombie.
+//! begins) for each of the three phases, where a stall makes a zombie;
+//! and `before-fail-over` (a retry in another region, between reading the
+//! key and moving it), where a stall lets the key finish meanwhile.
 //!
 //! The same builds can set the process's clock off ([`clock_offset_ms`]).
 

@@ -124,8 +124,18 @@ impl Application {
                 listener.local_addr().map_err(|source| StartupError::Listen { addr: settings.listen, source })?
             ),
         };
-        if let Err(e) = engine.regions().store().advertise(&settings.engine.work.region, &url).await {
-            tracing::warn!(error = %e, "could not advertise this region's URL; other regions cannot ask it for payments");
+        match advertisable(&url, settings.local_regions) {
+            Ok(()) => {
+                if let Err(e) = engine.regions().store().advertise(&settings.engine.work.region, &url).await {
+                    tracing::warn!(error = %e, "could not advertise this region's URL; other regions cannot ask it for payments");
+                }
+            }
+            Err(why) => tracing::warn!(
+                url,
+                "not advertising this region's URL ({why}): other regions cannot ask it for payments; set \
+                 KEYFENCE_PUBLIC_URL to where they reach it, or KEYFENCE_LOCAL_REGIONS=1 when every region runs \
+                 on this machine"
+            ),
         }
         let limits = server::Limits {
             header_read: settings.header_timeout,
@@ -180,6 +190,19 @@ impl Application {
     }
 }
 
+/// Whether `url` can be advertised for other regions to ask: a loopback or
+/// unspecified host reaches the asker's own machine, so only when every
+/// region runs on one machine (`local_regions`).
+fn advertisable(url: &str, local_regions: bool) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a URL: {e}"))?;
+    let host = parsed.host_str().ok_or("no host")?;
+    let local = match host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback() || ip.is_unspecified(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
+    };
+    if local && !local_regions { Err("a loopback or unspecified address".into()) } else { Ok(()) }
+}
+
 /// Resolves on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {
     let ctrl_c = async {
@@ -197,4 +220,20 @@ pub async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { () = ctrl_c => {}, () = term => {} }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::advertisable;
+
+    #[test]
+    fn a_url_that_reaches_the_askers_own_machine_is_advertised_only_when_every_region_is_local() {
+        for url in ["http://127.0.0.1:8080", "http://0.0.0.0:8080", "http://[::1]:8080", "http://localhost:8080"] {
+            assert!(advertisable(url, false).is_err(), "{url}");
+            assert!(advertisable(url, true).is_ok(), "{url}");
+        }
+        assert!(advertisable("https://eu-west-1.pay.example.com", false).is_ok());
+        assert!(advertisable("http://10.0.3.7:8080", false).is_ok(), "a private address is another machine");
+        assert!(advertisable("not a url", true).is_err());
+    }
 }

@@ -40,7 +40,7 @@ impl From<RegionsError> for EngineError {
     fn from(e: RegionsError) -> Self {
         match e {
             RegionsError::Store(_) | RegionsError::Contended => EngineError::Transient(e.to_string()),
-            RegionsError::Malformed(_) => EngineError::Fault(e.to_string()),
+            RegionsError::Malformed(_) | RegionsError::Invalid(_) => EngineError::Fault(e.to_string()),
         }
     }
 }

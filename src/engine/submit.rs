@@ -87,6 +87,7 @@ impl<K: KeyStore> Engine<K> {
             if !self.regions.fresh().await?.is_failed(&existing.home_region) {
                 return Ok(in_flight);
             }
+            failpoint::boundary(|| "before-fail-over".to_owned());
             self.fail_over(&existing.key, existing.fence, &existing.home_region, now)
                 .await
                 .map(|item| (item, "failover"))

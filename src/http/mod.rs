@@ -7,6 +7,7 @@
 mod extract;
 mod json;
 mod keys;
+mod live;
 mod payments;
 mod peers;
 mod problem;

@@ -15,7 +15,8 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, require_json};
-use super::peers::{Asked, forwardable};
+use super::live::{self, Copy};
+use super::peers::{Asked, check_target, forwardable};
 use super::{ApiError, AppState, json};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
@@ -98,18 +99,27 @@ pub async fn show(
     headers: HeaderMap,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    check_target(&headers, state.engine.region())?;
     // Not a UUID (or not even UTF-8): no payment has that id.
     let id = id.ok().and_then(|Path(id)| Uuid::parse_str(&id).ok()).ok_or(ApiError::NotFound)?;
-    if let Some(payment) = state.engine.ledger().payment_of(client, id).await.map_err(EngineError::from)? {
-        return Ok(Json(payment).into_response());
-    }
+    let local = state.engine.ledger().payment_of(client, id).await.map_err(EngineError::from)?;
+    let home = match &local {
+        Some(held) => match live::judge(&state.engine, client, held).await? {
+            Copy::Live => return Ok(Json(&held.payment).into_response()),
+            Copy::Leftover { home } => home,
+        },
+        None => None,
+    };
+    // Another region asking gets live copies only.
     let Some(auth) = forwardable(&headers) else {
         return Err(ApiError::NotFound);
     };
     let registry = state.engine.regions().current().await;
-    match state.peers.payment(&registry, state.engine.region(), auth, &format!("{PATH}/{id}")).await {
+    let path = format!("{PATH}/{id}");
+    match state.peers.payment(&registry, state.engine.region(), home.as_deref(), auth, &path).await {
         Asked::Found(payment) => Ok(Json(payment).into_response()),
-        Asked::Nowhere => Err(ApiError::NotFound),
+        // No live copy anywhere: the one held here is all there is.
+        Asked::Nowhere => local.map(|held| Json(held.payment).into_response()).ok_or(ApiError::NotFound),
         Asked::Unreachable(regions) => Err(ApiError::PeersUnreachable(regions)),
     }
 }
@@ -125,6 +135,7 @@ pub async fn by_reference(
     headers: HeaderMap,
     query: Result<Query<ByReference>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    check_target(&headers, state.engine.region())?;
     let Query(query) = query.map_err(|rejection| ApiError::InvalidQuery(rejection.body_text()))?;
     let reference = query.end_to_end_id.ok_or(ApiError::MissingQuery("end_to_end_id"))?;
     if !is_reference(&reference) {
@@ -133,27 +144,34 @@ pub async fn by_reference(
         ));
     }
     let local = state.engine.ledger().payments_by_reference(client, &reference).await.map_err(EngineError::from)?;
-    let mut payments: Vec<Value> = local.iter().filter_map(|p| serde_json::to_value(p).ok()).collect();
-    if let Some(auth) = forwardable(&headers) {
-        let registry = state.engine.regions().current().await;
-        let query = [("end_to_end_id", reference.as_str())];
-        let theirs = state.peers.listing(&registry, state.engine.region(), auth, PATH, &query).await;
-        payments.extend(theirs.map_err(ApiError::PeersUnreachable)?);
+    let (mut live, mut leftovers) = (Vec::new(), Vec::new());
+    for held in local {
+        let copy = live::judge(&state.engine, client, &held).await?;
+        let value = serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()))?;
+        match copy {
+            Copy::Live => live.push(value),
+            Copy::Leftover { .. } => leftovers.push(value),
+        }
     }
-    Ok(Json(json!({ "data": merged(payments) })).into_response())
+    // Another region asking gets live copies only.
+    let Some(auth) = forwardable(&headers) else {
+        return Ok(Json(json!({ "data": live })).into_response());
+    };
+    let registry = state.engine.regions().current().await;
+    let query = [("end_to_end_id", reference.as_str())];
+    let theirs = state.peers.listing(&registry, state.engine.region(), auth, PATH, &query).await;
+    live.extend(theirs.map_err(ApiError::PeersUnreachable)?);
+    Ok(Json(json!({ "data": merged(live, leftovers) })).into_response())
 }
 
-/// One entry per payment, oldest first, at most 100: a payment another
-/// region took over is also in the ledger it left, voided there; the live
-/// copy wins.
-fn merged(payments: Vec<Value>) -> Vec<Value> {
+/// One entry per payment, oldest first, at most 100: the live copy of each
+/// (every region answers with its live copies only), or, for a payment no
+/// region holds live, the leftover held here.
+fn merged(live: Vec<Value>, leftovers: Vec<Value>) -> Vec<Value> {
     let mut by_id: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
-    for payment in payments {
+    for payment in live.into_iter().chain(leftovers) {
         let id = payment["id"].as_str().unwrap_or_default().to_owned();
-        let voided = |p: &Value| p["status"] == "voided";
-        if by_id.get(&id).is_none_or(|kept| voided(kept) && !voided(&payment)) {
-            by_id.insert(id, payment);
-        }
+        by_id.entry(id).or_insert(payment);
     }
     let mut all: Vec<Value> = by_id.into_values().collect();
     all.sort_by(|a, b| (a["created_at"].as_str(), a["id"].as_str()).cmp(&(b["created_at"].as_str(), b["id"].as_str())));

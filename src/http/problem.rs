@@ -29,11 +29,20 @@ pub enum ApiError {
     Unauthenticated,
     NotFound,
     MethodNotAllowed,
-    InFlight { retry_after: Duration },
+    InFlight {
+        retry_after: Duration,
+    },
     KeyReused,
-    Unavailable { retry_after: Duration },
+    Unavailable {
+        retry_after: Duration,
+    },
     RegionFailed(String),
     PeersUnreachable(Vec<String>),
+    /// A read forwarded for another region reached this one.
+    Misdirected {
+        meant_for: String,
+        here: String,
+    },
     Internal(String),
 }
 
@@ -171,6 +180,13 @@ impl IntoResponse for ApiError {
                     "This region does not hold it, and region(s) {} that might could not be asked; try again.",
                     regions.join(", ")
                 ),
+                None,
+            ),
+            ApiError::Misdirected { meant_for, here } => (
+                StatusCode::MISDIRECTED_REQUEST,
+                "misdirected-request",
+                "Misdirected request",
+                format!("This read was forwarded for region {meant_for}; this front door serves region {here}."),
                 None,
             ),
             ApiError::Internal(why) => {

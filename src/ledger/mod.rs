@@ -123,6 +123,11 @@ pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// A timestamp PostgreSQL stored, as a key item holds it.
+pub fn millis(at: OffsetDateTime) -> Millis {
+    Millis::new(u64::try_from(at.unix_timestamp_nanos() / 1_000_000).unwrap_or(0))
+}
+
 /// A key item's timestamp as PostgreSQL stores it.
 pub fn timestamp(at: Millis) -> OffsetDateTime {
     OffsetDateTime::from_unix_timestamp_nanos(i128::from(at.get()) * 1_000_000).unwrap_or(OffsetDateTime::UNIX_EPOCH)

@@ -151,10 +151,21 @@ pub async fn reject(
         .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
 }
 
+/// A payment as this ledger holds it, with the request it belongs to, so a
+/// reader can tell the live copy from a leftover of a request that moved.
+#[derive(Debug, Clone, FromRow)]
+pub struct Held {
+    #[sqlx(flatten)]
+    pub payment: Payment,
+    pub idem_key: String,
+    pub request_created_at: OffsetDateTime,
+}
+
 impl Ledger {
     /// The client's payment with this id; `None` for another client's.
-    pub async fn payment_of(&self, client: ClientId, id: Uuid) -> Result<Option<Payment>, LedgerError> {
-        let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1 AND client_id = $2");
+    pub async fn payment_of(&self, client: ClientId, id: Uuid) -> Result<Option<Held>, LedgerError> {
+        let query =
+            format!("SELECT {COLUMNS}, idem_key, request_created_at FROM payments WHERE id = $1 AND client_id = $2");
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(query))
             .bind(id)
             .bind(client.as_uuid())
@@ -163,13 +174,10 @@ impl Ledger {
     }
 
     /// The client's payments carrying this end-to-end reference, oldest first.
-    pub async fn payments_by_reference(
-        &self,
-        client: ClientId,
-        end_to_end_id: &str,
-    ) -> Result<Vec<Payment>, LedgerError> {
+    pub async fn payments_by_reference(&self, client: ClientId, end_to_end_id: &str) -> Result<Vec<Held>, LedgerError> {
         let query = format!(
-            "SELECT {COLUMNS} FROM payments WHERE client_id = $1 AND end_to_end_id = $2 ORDER BY created_at, id LIMIT 100"
+            "SELECT {COLUMNS}, idem_key, request_created_at FROM payments WHERE client_id = $1 AND end_to_end_id = $2
+              ORDER BY created_at, id LIMIT 100"
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(query))
             .bind(client.as_uuid())

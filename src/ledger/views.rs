@@ -56,10 +56,6 @@ const VIEW_COLUMNS: &str =
          WHERE (c.client_id, c.idem_key, c.request_created_at) = (r.client_id, r.idem_key, r.created_at)
            AND c.outcome IN ('unknown', 'indeterminate')) AS unknown_since";
 
-fn millis_of(at: OffsetDateTime) -> Millis {
-    Millis::new(u64::try_from(at.unix_timestamp_nanos() / 1_000_000).unwrap_or(0))
-}
-
 impl ViewRow {
     fn into_view(self) -> Result<LedgerView, LedgerError> {
         let key = IdempotencyKey::parse(&self.idem_key)
@@ -73,7 +69,7 @@ impl ViewRow {
         Ok(LedgerView {
             record: RequestRecord {
                 key: ScopedKey::new(ClientId::new(self.client_id), key),
-                created_at: millis_of(self.created_at),
+                created_at: super::millis(self.created_at),
                 operation: self.operation,
                 request_hash: RequestHash::from_hex(self.request_hash),
                 payment_id: self.payment_id,
@@ -84,7 +80,7 @@ impl ViewRow {
             answer,
             payment_status: self.payment_status,
             unknown_since: self.unknown_since,
-            updated_at: millis_of(self.updated_at),
+            updated_at: super::millis(self.updated_at),
         })
     }
 }

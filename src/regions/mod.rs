@@ -22,7 +22,7 @@ use crate::domain::Millis;
 use crate::ledger::{FenceChange, Ledger, LedgerError};
 
 pub use follow::follow_registry;
-pub use store::{Changed, RegionStore, RegionsError};
+pub use store::{Changed, HISTORY_KEPT, RegionStore, RegionsError, TEXT_LIMIT};
 pub use view::RegionView;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

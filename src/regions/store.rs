@@ -16,6 +16,15 @@ use crate::domain::Millis;
 /// The registry item's partition key.
 const REGISTRY_PK: &str = "control#regions";
 
+/// Changes the registry item keeps in its history, newest last. Every
+/// change is also logged where it is made; older ones are dropped, so the
+/// item stays far below DynamoDB's 400 KB item limit however often regions
+/// change state.
+pub const HISTORY_KEPT: usize = 64;
+
+/// Longest `by` and `reason` a change records, in characters.
+pub const TEXT_LIMIT: usize = 500;
+
 #[derive(Debug, thiserror::Error)]
 pub enum RegionsError {
     #[error("the region registry could not be read or written: {0}")]
@@ -24,6 +33,8 @@ pub enum RegionsError {
     Malformed(String),
     #[error("other changes kept winning; try again")]
     Contended,
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// What a change came to.
@@ -71,6 +82,11 @@ impl RegionStore {
         by: &str,
         reason: &str,
     ) -> Result<Changed, RegionsError> {
+        for (name, text) in [("--by", by), ("--reason", reason)] {
+            if text.chars().count() > TEXT_LIMIT {
+                return Err(RegionsError::Invalid(format!("{name} is longer than {TEXT_LIMIT} characters")));
+            }
+        }
         self.create_if_missing().await?;
         for _ in 0..10 {
             let current = self.read().await?;
@@ -85,18 +101,22 @@ impl RegionStore {
                 at: Millis::now().get(),
                 reason: reason.to_owned(),
             };
+            // The condition on the epoch read makes this read-modify-write safe.
+            let kept = current.history.len().saturating_sub(HISTORY_KEPT - 1);
+            let history: Vec<AttributeValue> =
+                current.history[kept..].iter().chain([&change]).map(encode_change).collect();
             let sent = self
                 .client
                 .update_item()
                 .table_name(&self.table)
                 .key("pk", AttributeValue::S(REGISTRY_PK.into()))
-                .update_expression("SET epoch = :next, regions.#r = :change, history = list_append(history, :one)")
+                .update_expression("SET epoch = :next, regions.#r = :change, history = :history")
                 .condition_expression("epoch = :seen")
                 .expression_attribute_names("#r", region)
                 .expression_attribute_values(":next", n(change.epoch))
                 .expression_attribute_values(":seen", n(current.epoch))
                 .expression_attribute_values(":change", encode_change(&change))
-                .expression_attribute_values(":one", AttributeValue::L(vec![encode_change(&change)]))
+                .expression_attribute_values(":history", AttributeValue::L(history))
                 .send()
                 .await;
             match sent {

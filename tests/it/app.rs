@@ -142,6 +142,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         body_timeout: Duration::from_secs(10),
         max_connections: 1024,
         public_url: None,
+        local_regions: true,
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,

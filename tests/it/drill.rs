@@ -146,6 +146,21 @@ async fn assert_paid_once_everywhere(
     }
 }
 
+/// Every payment, read by id in each region, shows the status its client
+/// was answered (201: succeeded), never a leftover's pending or voided.
+async fn assert_reads_show_answers(app: &TestApp, urls: [&str; 2], paid: &BTreeMap<String, Paid>, when: &str) {
+    for (key, first) in paid {
+        let answered: Value = serde_json::from_slice(&first.bytes).unwrap();
+        let path = format!("/v1/payments/{}", answered["id"].as_str().unwrap());
+        for url in urls {
+            let shown = app.http.get(format!("{url}{path}")).bearer_auth(&app.api_key).send().await.unwrap();
+            assert_eq!(shown.status(), StatusCode::OK, "{key} from {url}, {when}");
+            let shown: Value = shown.json().await.unwrap();
+            assert_eq!(shown["status"], answered["status"], "{key} from {url}, {when}: {shown}");
+        }
+    }
+}
+
 /// A's reconciler repairs; every finding is a leftover of A's old owners
 /// (named by a hand-off, or by a key finished elsewhere under a newer
 /// fence). Returns how many it voided.
@@ -186,7 +201,9 @@ async fn a_region_killed_mid_stream_is_finished_by_the_other_exactly_once() {
     // A comes back.
     declare(&app, RegionState::Active).await;
     let a = ServeProcess::start(&app, None, 0).await;
+    assert_reads_show_answers(&app, [&a.url, &b.url], &paid, "before A's reconcile").await;
     assert!(void_leftovers(&app.settings).await >= 1, "the killed owner left work in A's ledger");
+    assert_reads_show_answers(&app, [&a.url, &b.url], &paid, "after A's reconcile").await;
     assert_paid_once_everywhere(&app, (&app.settings, &b.settings), (&a.url, &b.url), b.db.ledger.pool(), &paid).await;
 }
 
@@ -231,7 +248,9 @@ async fn a_region_cut_off_from_the_key_table_while_running_changes_nothing_once_
     assert_eq!(key_items(&app).await, before, "A's old owners changed nothing in the key store");
 
     declare(&app, RegionState::Active).await;
+    assert_reads_show_answers(&app, [&a_url, &b.url], &paid, "before A's reconcile").await;
     void_leftovers(&app.settings).await;
+    assert_reads_show_answers(&app, [&a_url, &b.url], &paid, "after A's reconcile").await;
     assert_paid_once_everywhere(&app, (&app.settings, &b.settings), (&a_url, &b.url), b.db.ledger.pool(), &paid).await;
 }
 

@@ -25,6 +25,7 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
         .env("KEYFENCE_TABLE", &keys.table)
         .env("DATABASE_URL", &app.db.url)
         .env("KEYFENCE_LISTEN", "127.0.0.1:0")
+        .env("KEYFENCE_LOCAL_REGIONS", "1")
         .env("KEYFENCE_REGION", "test-1")
         .env("KEYFENCE_E1_URL", &app.e1.url)
         .env("KEYFENCE_E2_URL", &app.e2.url)

@@ -313,3 +313,28 @@ async fn a_failed_regions_instances_fence_the_ledger_they_can_reach() {
     let fence = app.db.ledger.region_fence().await.unwrap();
     assert_eq!((fence.region.as_deref(), fence.reason.as_deref()), (Some("test-1"), Some("drill")));
 }
+
+/// However often regions change state, the registry item keeps only its
+/// last changes (it would otherwise grow to DynamoDB's item limit and
+/// block `regions fail` exactly when it is needed), and a declaration's
+/// text is bounded.
+#[tokio::test]
+async fn the_registry_keeps_its_last_changes_and_bounded_reasons() {
+    let app = spawn_app().await;
+    let store = store(&app);
+    let changes = regions::HISTORY_KEPT + 6;
+    for i in 0..changes {
+        let state = if i % 2 == 0 { RegionState::Failed } else { RegionState::Active };
+        regions::declare(&store, None, "eu-1", state, "sre", &format!("change {i}")).await.unwrap();
+    }
+    let registry = store.read().await.unwrap();
+    assert_eq!(registry.epoch, changes as u64, "every change counted");
+    assert_eq!(registry.history.len(), regions::HISTORY_KEPT);
+    assert_eq!(registry.history.last().unwrap().reason, format!("change {}", changes - 1), "the newest kept");
+    assert_eq!(registry.history[0].reason, format!("change {}", changes - regions::HISTORY_KEPT));
+
+    let long = "x".repeat(regions::TEXT_LIMIT + 1);
+    let refused = regions::declare(&store, None, "eu-1", RegionState::Active, "sre", &long).await;
+    assert!(refused.is_err(), "an overlong reason is refused");
+    assert_eq!(store.read().await.unwrap().epoch, changes as u64, "and changes nothing");
+}

@@ -213,3 +213,123 @@ async fn a_key_reused_after_its_retention_leaves_the_old_leftover_to_be_voided_n
     assert_eq!(report.unrepaired(), 1, "left for a person");
     assert_eq!(scalar(app.db.ledger.pool(), "SELECT recovery_point FROM requests").await, "EXT2_SENT", "untouched");
 }
+
+/// What region `url` shows the caller for payment `id`.
+async fn read(app: &TestApp, url: &str, path: &str) -> (StatusCode, Value) {
+    let response = app.http.get(format!("{url}{path}")).bearer_auth(&app.api_key).send().await.unwrap();
+    (response.status(), response.json().await.unwrap_or(Value::Null))
+}
+
+/// After a failover the payment id lives in two ledgers. Every read, in
+/// the region it left (before and after its reconciler voids the leftover)
+/// and in a third region (whose name sorts before both), shows the copy the
+/// client was answered; the listing shows it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_show_the_live_copy_never_the_leftover() {
+    let app = spawn_app_with(|_| {}).await;
+    let b = app.second_region("test-2").await;
+    let c = app.second_region("test-0").await;
+    let (_, answered) = moved_to_b(&app, &b, "read-moved-1").await;
+    declare(&app, RegionState::Active).await;
+    let id = answered["id"].as_str().unwrap().to_owned();
+    let path = format!("/v1/payments/{id}");
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT status FROM payments").await, "pending", "A's leftover");
+
+    let check = async |when: &str| {
+        for (region, url) in [("A", &app.url), ("B", &b.url), ("C", &c.url)] {
+            let (status, shown) = read(&app, url, &path).await;
+            assert_eq!(status, StatusCode::OK, "{when}, from {region}: {shown}");
+            assert_eq!(shown["status"], "succeeded", "{when}, from {region}: {shown}");
+        }
+        let (_, listed) = read(&app, &app.url, "/v1/payments?end_to_end_id=E2E-read-moved-1").await;
+        let listed = listed["data"].as_array().unwrap().clone();
+        assert_eq!(listed.len(), 1, "{when}: one entry per payment: {listed:?}");
+        assert_eq!(listed[0]["status"], "succeeded", "{when}");
+    };
+    check("before A's reconcile").await;
+    assert_eq!(reconcile_in(&app.settings, true).await.unrepaired(), 0);
+    assert_eq!(scalar(app.db.ledger.pool(), "SELECT status FROM payments").await, "voided");
+    check("after A's reconcile").await;
+}
+
+/// A region whose advertised URL reaches another region's front door (a
+/// load balancer shared by every region, or a loopback address): the read
+/// forwarded for it is refused there with 421, and the asker answers 503,
+/// never 404 for a payment that exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_forwarded_to_the_wrong_region_is_refused_and_never_a_404() {
+    let app = spawn_app_with(|_| {}).await;
+    let b = app.second_region("test-2").await;
+    let paid = app.try_pay_at(&b.url, &app.api_key, "misdirected-1", &payment("E2E-misdirected-1")).await.unwrap();
+    let id = paid.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    store.advertise("test-2", &app.url).await.unwrap();
+    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+
+    let (status, problem) = read(&app, &app.url, &format!("/v1/payments/{id}")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{problem}");
+    assert_eq!(problem["type"], "urn:keyfence:problem:region-unreachable");
+    let direct = app
+        .http
+        .get(format!("{}/v1/payments/{id}", app.url))
+        .bearer_auth(&app.api_key)
+        .header("keyfence-forwarded", "test-2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(direct.status(), StatusCode::MISDIRECTED_REQUEST);
+    assert_eq!(direct.json::<Value>().await.unwrap()["type"], "urn:keyfence:problem:misdirected-request");
+}
+
+/// Without `KEYFENCE_LOCAL_REGIONS`, a region listening on a loopback
+/// address does not advertise it: another region would reach itself.
+#[tokio::test]
+async fn a_loopback_url_is_not_advertised_unless_every_region_is_local() {
+    let app = spawn_app_with(|s| s.local_regions = false).await;
+    let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    let registry = store.read().await.unwrap();
+    assert_eq!(registry.urls.get("test-1"), None, "{:?}", registry.urls);
+}
+
+/// A retry in region B reads the key in flight in A (declared failed) and
+/// races A's owner, which finishes it just before B's failover lands: B
+/// must replay the answer the key now holds, not answer 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_that_races_the_keys_finish_replays_it() {
+    let app = spawn_app_with(|s| s.engine.rails.rail_timeout = Duration::from_millis(300)).await;
+    let b = app.second_region("test-2").await;
+    let body = payment("E2E-race-1");
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    assert_eq!(app.pay("race-1", &body).await.status(), StatusCode::ACCEPTED, "parked in A");
+    app.e2.clear_faults().await;
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("race-1").unwrap());
+    let parked = app.keys.store.get(&key).await.unwrap().unwrap();
+    declare(&app, RegionState::Failed).await;
+
+    // B's instance stalls between reading the key and failing it over.
+    let mut command = keyfence_command(&app, "serve");
+    command
+        .env("KEYFENCE_REGION", "test-2")
+        .env("DATABASE_URL", &b.db.url)
+        .env("KEYFENCE_RECOVERY_INTERVAL_MS", "0")
+        .env("FAILPOINTS", "before-fail-over=sleep(1500)");
+    let b_stalled = ServeProcess::spawn(command).await;
+    let retry = app.pay_in_background(&b_stalled.url, "race-1", &body);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Meanwhile A's owner finishes it (its holder, as A's instance would).
+    let answer = keyfence::domain::StoredResponse {
+        status: 201,
+        headers: [("content-type".to_owned(), "application/json".to_owned())].into(),
+        body: br#"{"finished":"in A"}"#.to_vec(),
+    };
+    let finish = keyfence::keystore::Finish {
+        response: answer.clone(),
+        expires_at: Millis::now().plus(Duration::from_secs(3600)),
+    };
+    app.keys.store.finish(&key, &parked.holder(), &finish).await.unwrap();
+
+    let retried = retry.await.unwrap().unwrap();
+    assert_eq!(retried.status(), StatusCode::CREATED, "a replay, not 409");
+    assert_eq!(retried.headers()["idempotent-replayed"], "true");
+    assert_eq!(retried.bytes().await.unwrap().to_vec(), answer.body, "the answer the key holds");
+}

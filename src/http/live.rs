@@ -1,0 +1,45 @@
+//! Which copy of a payment a region shows. After a failover the same
+//! payment id is held by two ledgers: the live copy in the request's home
+//! region, and a leftover in the region it moved from (pending until its
+//! reconciler voids it, voided after). A copy is live when it is final
+//! (succeeded or rejected: every ledger that holds a verdict learned the
+//! same one from the rail, under the same derived key), when the key item
+//! names this region as the request's home, or, with the key gone, when
+//! neither a hand-off nor a void says the request left. Only a live copy is
+//! shown, or given to another region asking; a leftover makes the reader
+//! ask the request's home region first.
+
+use crate::domain::{ClientId, IdempotencyKey, ScopedKey};
+use crate::engine::{Engine, EngineError};
+use crate::keystore::KeyStore;
+use crate::ledger::payments::Held;
+
+/// What a local copy of a payment is.
+pub enum Copy {
+    Live,
+    /// Superseded here; the home region named by the key, if it is known.
+    Leftover {
+        home: Option<String>,
+    },
+}
+
+/// Judges the copy `held` in this region's ledger, for `client`.
+pub async fn judge<K: KeyStore>(engine: &Engine<K>, client: ClientId, held: &Held) -> Result<Copy, EngineError> {
+    let status = held.payment.status.as_str();
+    if matches!(status, "succeeded" | "rejected") {
+        return Ok(Copy::Live);
+    }
+    let created_at = crate::ledger::millis(held.request_created_at);
+    let key = IdempotencyKey::parse(&held.idem_key)
+        .map(|key| ScopedKey::new(client, key))
+        .map_err(|e| EngineError::Fault(format!("stored key {:?}: {e}", held.idem_key)))?;
+    let item = engine.keys().get(&key).await?.filter(|item| item.created_at == created_at);
+    Ok(match item {
+        Some(item) if item.home_region == engine.region() && status != "voided" => Copy::Live,
+        Some(item) => Copy::Leftover { home: Some(item.home_region) },
+        None if status == "voided" || engine.keys().handoff_of(engine.region(), &key, created_at).await? => {
+            Copy::Leftover { home: None }
+        }
+        None => Copy::Live,
+    })
+}
