@@ -110,6 +110,44 @@ impl DynamoKeyStore {
         s(key.partition_key())
     }
 
+    /// Every entry of in-flight index partition `partition` (whose sort key
+    /// lies before `before`, if given), page after page.
+    async fn query_index<T>(
+        &self,
+        partition: String,
+        before: Option<Millis>,
+        decode: impl Fn(&Attrs) -> Result<T, KeyStoreError>,
+    ) -> Result<Vec<T>, KeyStoreError> {
+        let condition =
+            if before.is_some() { "#inflight = :partition AND #lease < :before" } else { "#inflight = :partition" };
+        let mut found = Vec::new();
+        let mut start = None;
+        loop {
+            let mut query = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(INFLIGHT_INDEX)
+                .key_condition_expression(condition)
+                .expression_attribute_names("#inflight", attr::INFLIGHT)
+                .expression_attribute_values(":partition", s(partition.as_str()))
+                .set_exclusive_start_key(start);
+            if let Some(before) = before {
+                query = query
+                    .expression_attribute_names("#lease", attr::LEASE_UNTIL)
+                    .expression_attribute_values(":before", n(before.get()));
+            }
+            let page = query.send().await.map_err(|e| store_error(&e))?;
+            for entry in page.items() {
+                found.push(decode(entry)?);
+            }
+            start = page.last_evaluated_key().cloned();
+            if start.is_none() {
+                return Ok(found);
+            }
+        }
+    }
+
     /// Sets the lease of the started item `holder` holds to end at `until`:
     /// a heartbeat, or a hand-back with the lease at zero.
     async fn set_lease(&self, key: &ScopedKey, holder: &Holder, until: Millis) -> Result<(), Failure> {
@@ -450,31 +488,7 @@ impl KeyStore for DynamoKeyStore {
     #[tracing::instrument(skip(self))]
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "stale_in_flight")]);
-        let mut stale = Vec::new();
-        let mut start = None;
-        loop {
-            let page = self
-                .client
-                .query()
-                .table_name(&self.table)
-                .index_name(INFLIGHT_INDEX)
-                .key_condition_expression("#inflight = :shard AND #lease < :now")
-                .expression_attribute_names("#inflight", attr::INFLIGHT)
-                .expression_attribute_names("#lease", attr::LEASE_UNTIL)
-                .expression_attribute_values(":shard", s(shard_name(shard)))
-                .expression_attribute_values(":now", n(now.get()))
-                .set_exclusive_start_key(start)
-                .send()
-                .await
-                .map_err(|e| store_error(&e))?;
-            for entry in page.items() {
-                stale.push(decode_stale(entry)?);
-            }
-            start = page.last_evaluated_key().cloned();
-            if start.is_none() {
-                return Ok(stale);
-            }
-        }
+        self.query_index(shard_name(shard), Some(now), decode_stale).await
     }
 
     #[tracing::instrument(skip_all, fields(pk = %handoff.key, from = %handoff.from))]
@@ -493,29 +507,7 @@ impl KeyStore for DynamoKeyStore {
     #[tracing::instrument(skip(self))]
     async fn handoffs(&self, from: &str, shard: u64) -> Result<Vec<Handoff>, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "handoffs")]);
-        let mut found = Vec::new();
-        let mut start = None;
-        loop {
-            let page = self
-                .client
-                .query()
-                .table_name(&self.table)
-                .index_name(INFLIGHT_INDEX)
-                .key_condition_expression("#inflight = :partition")
-                .expression_attribute_names("#inflight", attr::INFLIGHT)
-                .expression_attribute_values(":partition", s(handoff::index_partition(from, shard)))
-                .set_exclusive_start_key(start)
-                .send()
-                .await
-                .map_err(|e| store_error(&e))?;
-            for entry in page.items() {
-                found.push(handoff::decode(from, entry)?);
-            }
-            start = page.last_evaluated_key().cloned();
-            if start.is_none() {
-                return Ok(found);
-            }
-        }
+        self.query_index(handoff::index_partition(from, shard), None, |entry| handoff::decode(from, entry)).await
     }
 
     #[tracing::instrument(skip_all, fields(pk = %key, from))]

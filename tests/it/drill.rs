@@ -14,10 +14,9 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use keyfence::config::ServeSettings;
-use keyfence::domain::Millis;
-use keyfence::reconcile::{self, Class, Options, Report};
+use keyfence::reconcile::{self, Class};
 use keyfence::regions::{self, RegionState, RegionStore};
-use keyfence::startup::{REGION_VIEW_AGE, build_engine};
+use keyfence::startup::REGION_VIEW_AGE;
 use reqwest::StatusCode;
 use serde_json::Value;
 use sqlx::PgPool;
@@ -25,7 +24,7 @@ use sqlx::PgPool;
 use crate::app::{TestApp, payment, spawn_app, start_instance};
 use crate::process::ServeProcess;
 use crate::proxy::Proxy;
-use crate::reconcile::Quiet;
+use crate::reconcile::reconcile_in;
 
 /// What one client went through: every status it saw, and the final bytes.
 struct Paid {
@@ -70,22 +69,6 @@ async fn stream(app: &TestApp, urls: &[String], count: usize) -> BTreeMap<String
     .await
     .into_iter()
     .collect()
-}
-
-fn everything(repair: bool) -> Options {
-    Options {
-        since: Millis::new(0),
-        until: Millis::now().plus(Duration::from_secs(60)),
-        repair,
-        stale_after: Duration::ZERO,
-        unknown_after: Duration::ZERO,
-        segments: 2,
-    }
-}
-
-async fn reconcile_region(settings: &ServeSettings, repair: bool) -> Report {
-    let engine = build_engine(&settings.engine).await.unwrap();
-    reconcile::run(&engine, &everything(repair), &Quiet).await.unwrap()
 }
 
 async fn declare(app: &TestApp, state: RegionState) {
@@ -141,19 +124,28 @@ async fn assert_paid_once_everywhere(
         }
     }
     for (region, settings) in [("A", a), ("B", b)] {
-        let again = reconcile_region(settings, false).await;
+        let again = reconcile_in(settings, false).await;
         assert!(again.findings.is_empty(), "region {region}, second run: {}", again.table());
     }
 }
 
 /// Every payment, read by id in each region, shows the status its client
-/// was answered (201: succeeded), never a leftover's pending or voided.
+/// was answered (201: succeeded), never a leftover's pending or voided. A
+/// 503 (a store just back from its partition) is retried, as clients do.
 async fn assert_reads_show_answers(app: &TestApp, urls: [&str; 2], paid: &BTreeMap<String, Paid>, when: &str) {
     for (key, first) in paid {
         let answered: Value = serde_json::from_slice(&first.bytes).unwrap();
         let path = format!("/v1/payments/{}", answered["id"].as_str().unwrap());
         for url in urls {
-            let shown = app.http.get(format!("{url}{path}")).bearer_auth(&app.api_key).send().await.unwrap();
+            let mut tries = 0;
+            let shown = loop {
+                let shown = app.http.get(format!("{url}{path}")).bearer_auth(&app.api_key).send().await.unwrap();
+                tries += 1;
+                if shown.status() != StatusCode::SERVICE_UNAVAILABLE || tries == 20 {
+                    break shown;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            };
             assert_eq!(shown.status(), StatusCode::OK, "{key} from {url}, {when}");
             let shown: Value = shown.json().await.unwrap();
             assert_eq!(shown["status"], answered["status"], "{key} from {url}, {when}: {shown}");
@@ -165,7 +157,7 @@ async fn assert_reads_show_answers(app: &TestApp, urls: [&str; 2], paid: &BTreeM
 /// (named by a hand-off, or by a key finished elsewhere under a newer
 /// fence). Returns how many it voided.
 async fn void_leftovers(a: &ServeSettings) -> usize {
-    let report = reconcile_region(a, true).await;
+    let report = reconcile_in(a, true).await;
     let leftover = |f: &reconcile::Finding| matches!(f.class, Class::FencedLeftover | Class::MovedInFlight);
     assert!(report.findings.iter().all(leftover), "{}", report.table());
     assert_eq!(report.unrepaired(), 0, "{}", report.table());

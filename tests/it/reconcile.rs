@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use aws_sdk_dynamodb::types::AttributeValue;
+use keyfence::config::ServeSettings;
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 use keyfence::engine::derived_key;
 use keyfence::keystore::{KeyItem, KeyState, KeyStore};
@@ -26,7 +27,12 @@ impl Progress for Quiet {
 
 /// One reconciler run over everything, with thresholds of zero.
 pub async fn reconcile(app: &TestApp, repair: bool) -> Report {
-    let engine = build_engine(&app.settings.engine).await.unwrap();
+    reconcile_in(&app.settings, repair).await
+}
+
+/// The same, in the region `settings` name (its ledger, its region).
+pub async fn reconcile_in(settings: &ServeSettings, repair: bool) -> Report {
+    let engine = build_engine(&settings.engine).await.unwrap();
     let options = Options {
         since: Millis::new(0),
         until: Millis::now().plus(Duration::from_secs(60)),

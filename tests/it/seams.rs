@@ -12,15 +12,15 @@ use std::time::Duration;
 use keyfence::config::{RetentionSettings, ServeSettings};
 use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
 use keyfence::keystore::{INFLIGHT_SHARDS, KeyStore};
-use keyfence::reconcile::{self, Class, Options, Report};
+use keyfence::reconcile::{Class, Report};
 use keyfence::regions::{self, RegionState, RegionStore};
-use keyfence::startup::{REGION_VIEW_AGE, build_engine};
+use keyfence::startup::REGION_VIEW_AGE;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::app::{TestApp, TestRegion, payment, spawn_app_with};
 use crate::process::{ServeProcess, keyfence_command};
-use crate::reconcile::Quiet;
+use crate::reconcile::reconcile_in;
 
 /// Keys expire two seconds after they finish, and are gone four after that.
 fn short_retention(settings: &mut ServeSettings) {
@@ -35,19 +35,6 @@ async fn declare(app: &TestApp, state: RegionState) {
     let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
     regions::declare(&store, None, "test-1", state, "sre", "region A went dark").await.unwrap();
     tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
-}
-
-async fn reconcile_in(settings: &ServeSettings, repair: bool) -> Report {
-    let engine = build_engine(&settings.engine).await.unwrap();
-    let options = Options {
-        since: Millis::new(0),
-        until: Millis::now().plus(Duration::from_secs(60)),
-        repair,
-        stale_after: Duration::ZERO,
-        unknown_after: Duration::ZERO,
-        segments: 2,
-    };
-    reconcile::run(&engine, &options, &Quiet).await.unwrap()
 }
 
 fn classes(report: &Report) -> Vec<Class> {
