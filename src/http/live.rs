@@ -7,7 +7,9 @@
 //! names this region as the request's home, or, with the key gone, when
 //! neither a hand-off nor a void says the request left. Only a live copy is
 //! shown, or given to another region asking; a leftover makes the reader
-//! ask the request's home region first.
+//! ask the request's home region first, and when no region shows the live
+//! copy yet (its new home has not written it), the answer is 503: the
+//! payment is moving. Never the leftover, never a 404 for money that moved.
 
 use crate::domain::{ClientId, IdempotencyKey, ScopedKey};
 use crate::engine::{Engine, EngineError};

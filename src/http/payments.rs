@@ -110,16 +110,18 @@ pub async fn show(
         },
         None => None,
     };
-    // Another region asking gets live copies only.
+    // Another region asking gets live copies only; a leftover here says
+    // the payment exists (never a 404 for it), without showing it.
     let Some(auth) = forwardable(&headers) else {
-        return Err(ApiError::NotFound);
+        return Err(if local.is_some() { ApiError::PaymentMoving } else { ApiError::NotFound });
     };
     let registry = state.engine.regions().current().await;
     let path = format!("{PATH}/{id}");
     match state.peers.payment(&registry, state.engine.region(), home.as_deref(), auth, &path).await {
         Asked::Found(payment) => Ok(Json(payment).into_response()),
-        // No live copy anywhere: the one held here is all there is.
-        Asked::Nowhere => local.map(|held| Json(held.payment).into_response()).ok_or(ApiError::NotFound),
+        // Only a leftover, here: its live copy is not written yet.
+        Asked::Nowhere if local.is_some() => Err(ApiError::PaymentMoving),
+        Asked::Nowhere => Err(ApiError::NotFound),
         Asked::Unreachable(regions) => Err(ApiError::PeersUnreachable(regions)),
     }
 }
@@ -146,11 +148,11 @@ pub async fn by_reference(
     let local = state.engine.ledger().payments_by_reference(client, &reference).await.map_err(EngineError::from)?;
     let (mut live, mut leftovers) = (Vec::new(), Vec::new());
     for held in local {
-        let copy = live::judge(&state.engine, client, &held).await?;
-        let value = serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()))?;
-        match copy {
-            Copy::Live => live.push(value),
-            Copy::Leftover { .. } => leftovers.push(value),
+        match live::judge(&state.engine, client, &held).await? {
+            Copy::Live => {
+                live.push(serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()))?)
+            }
+            Copy::Leftover { .. } => leftovers.push(held.payment.id.to_string()),
         }
     }
     // Another region asking gets live copies only.
@@ -161,15 +163,20 @@ pub async fn by_reference(
     let query = [("end_to_end_id", reference.as_str())];
     let theirs = state.peers.listing(&registry, state.engine.region(), auth, PATH, &query).await;
     live.extend(theirs.map_err(ApiError::PeersUnreachable)?);
-    Ok(Json(json!({ "data": merged(live, leftovers) })).into_response())
+    let merged = merged(live);
+    // A payment this region holds only a leftover of, and nobody shows live
+    // yet, is moving: no listing without it.
+    if leftovers.iter().any(|id| !merged.iter().any(|p| p["id"].as_str() == Some(id))) {
+        return Err(ApiError::PaymentMoving);
+    }
+    Ok(Json(json!({ "data": merged })).into_response())
 }
 
-/// One entry per payment, oldest first, at most 100: the live copy of each
-/// (every region answers with its live copies only), or, for a payment no
-/// region holds live, the leftover held here.
-fn merged(live: Vec<Value>, leftovers: Vec<Value>) -> Vec<Value> {
+/// One entry per payment, oldest first, at most 100 (every region answers
+/// with its live copies only, so each is the live one).
+fn merged(live: Vec<Value>) -> Vec<Value> {
     let mut by_id: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
-    for payment in live.into_iter().chain(leftovers) {
+    for payment in live {
         let id = payment["id"].as_str().unwrap_or_default().to_owned();
         by_id.entry(id).or_insert(payment);
     }

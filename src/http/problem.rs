@@ -38,6 +38,9 @@ pub enum ApiError {
     },
     RegionFailed(String),
     PeersUnreachable(Vec<String>),
+    /// This region holds only a leftover of the payment, and no region shows
+    /// its live copy yet (it is moving: its new home has not written it).
+    PaymentMoving,
     /// A read forwarded for another region reached this one.
     Misdirected {
         meant_for: String,
@@ -182,6 +185,14 @@ impl IntoResponse for ApiError {
                 ),
                 None,
             ),
+            ApiError::PaymentMoving => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "payment-moving",
+                "Payment moving between regions",
+                "This payment is being taken over by another region, which does not show it yet; try again shortly."
+                    .to_owned(),
+                None,
+            ),
             ApiError::Misdirected { meant_for, here } => (
                 StatusCode::MISDIRECTED_REQUEST,
                 "misdirected-request",
@@ -213,7 +224,7 @@ impl IntoResponse for ApiError {
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         match self {
-            ApiError::PeersUnreachable(_) => {
+            ApiError::PeersUnreachable(_) | ApiError::PaymentMoving => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
             }
             ApiError::InFlight { retry_after } | ApiError::Unavailable { retry_after } => {

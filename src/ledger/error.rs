@@ -16,6 +16,13 @@ pub enum LedgerError {
     /// fail --ledger`): no phase commits here any more.
     #[error("the ledger of region {0} is fenced: the region was declared failed")]
     RegionFailed(String),
+    /// The region fence could not be changed: a phase held its lock past
+    /// the wait (a stalled transaction). Nothing changed; try again.
+    #[error("a phase transaction held the region fence's lock for {0:?} (a stalled phase?): not changed; try again")]
+    FenceBusy(std::time::Duration),
+    /// A change of this ledger's region fence named another region.
+    #[error("this ledger is region {ledger}'s, not {asked}'s: its fence was not changed")]
+    OtherRegion { ledger: String, asked: String },
     /// A stored value this code cannot accept.
     #[error("ledger data is corrupt: {0}")]
     Corrupt(String),
@@ -36,6 +43,7 @@ impl LedgerError {
                 let code = db.code().unwrap_or_default();
                 ["08", "53", "57P", "40"].iter().any(|class| code.starts_with(class))
             }
+            LedgerError::FenceBusy(_) => true,
             LedgerError::Database(
                 sqlx::Error::Io(_)
                 | sqlx::Error::Tls(_)

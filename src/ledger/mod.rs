@@ -59,7 +59,12 @@ impl Ledger {
             // connection that died in the pool fails its first statement
             // instead, which is a transient error (503) like any other.
             .test_before_acquire(false)
-            .connect_with(settings.database_url.options().clone())
+            // A session idle inside a transaction this long is a stalled
+            // phase (phases make no external call inside one): ending it
+            // releases what it holds, the region fence's lock included.
+            .connect_with(
+                settings.database_url.options().clone().options([("idle_in_transaction_session_timeout", "60s")]),
+            )
             .await?;
         Ok(Self::new(pool))
     }

@@ -13,7 +13,17 @@
 //! waiting exclusive one, so a change waits only for the phases already in
 //! flight, never behind an endless stream of new ones (as it would behind
 //! row share locks, which compatible lockers keep acquiring past a waiting
-//! writer), and once it returns no phase of the old state can commit.
+//! writer), and once it returns no phase of the old state can commit. A
+//! change waits at most [`CHANGE_WAIT`] for the phases in flight: a phase
+//! stalled inside its transaction (its owner paused, its connection half
+//! dead) would otherwise hold every later phase behind the waiting change;
+//! past the wait the change gives up, the phases go on, and the change is
+//! tried again (and ledger sessions idle inside a transaction for a minute
+//! are ended by PostgreSQL, so no stall lasts). The row also records whose
+//! ledger it is: once a region's instance has bound it, a change naming
+//! another region is refused.
+
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -27,10 +37,19 @@ macro_rules! lock_key {
 }
 
 /// Opens a phase's transaction holding the lock shared, in one round trip.
-pub(super) const BEGIN_PHASE: &str = concat!("BEGIN; SELECT pg_advisory_xact_lock_shared(", lock_key!(), ")");
+/// A waiting change gives up after [`CHANGE_WAIT`], so this wait is bounded
+/// without a lock timeout of its own (and a server-wide one must not make
+/// it fail half-way through the statement that opens the transaction).
+pub(super) const BEGIN_PHASE: &str =
+    concat!("BEGIN; SET LOCAL lock_timeout = 0; SELECT pg_advisory_xact_lock_shared(", lock_key!(), ")");
 
-/// Opens a fence change's transaction holding the lock exclusively.
-const BEGIN_CHANGE: &str = concat!("BEGIN; SELECT pg_advisory_xact_lock(", lock_key!(), ")");
+/// How long a fence change waits for the phases in flight.
+pub const CHANGE_WAIT: Duration = Duration::from_secs(3);
+
+/// Takes the lock exclusively, inside a change's transaction that has set
+/// its lock timeout to [`CHANGE_WAIT`] (a statement of its own, so a
+/// timeout rolls the transaction back cleanly).
+const LOCK_FOR_CHANGE: &str = concat!("SELECT pg_advisory_xact_lock(", lock_key!(), ")");
 
 /// The ledger's region fence as it stands.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
@@ -64,10 +83,24 @@ impl Ledger {
         Ok(sqlx::query_as("SELECT failed, region, epoch, reason FROM region_fence").fetch_one(&self.pool).await?)
     }
 
+    /// Binds the ledger to `region` if no region has it yet: from then on a
+    /// change naming another region is refused. Returns the fence.
+    pub async fn bind_region_fence(&self, region: &str) -> Result<RegionFence, LedgerError> {
+        Ok(sqlx::query_as(
+            "WITH bound AS (UPDATE region_fence SET region = $1 WHERE region IS NULL RETURNING failed, region, epoch, reason)
+             SELECT * FROM bound UNION ALL SELECT failed, region, epoch, reason FROM region_fence
+              WHERE NOT EXISTS (SELECT 1 FROM bound)",
+        )
+        .bind(region)
+        .fetch_one(&self.pool)
+        .await?)
+    }
+
     /// Sets the fence to `failed` for `region` as declared at registry epoch
-    /// `epoch`, unless the ledger follows a newer declaration already.
-    /// Returns once every phase in flight has ended; from then on no phase
-    /// commits under the old state.
+    /// `epoch`, unless the ledger follows a newer declaration already, or is
+    /// another region's. Returns once every phase in flight has ended (from
+    /// then on no phase commits under the old state), or with
+    /// [`LedgerError::FenceBusy`] if they did not within [`CHANGE_WAIT`].
     pub async fn set_region_fence(
         &self,
         failed: bool,
@@ -76,10 +109,19 @@ impl Ledger {
         reason: &str,
     ) -> Result<FenceChange, LedgerError> {
         let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
-        let mut tx = self.pool.begin_with(BEGIN_CHANGE).await?;
+        let mut tx = self.pool.begin().await?;
+        let wait = format!("SET LOCAL lock_timeout = '{}ms'", CHANGE_WAIT.as_millis());
+        sqlx::query(sqlx::AssertSqlSafe(wait)).execute(&mut *tx).await?;
+        match sqlx::query(LOCK_FOR_CHANGE).execute(&mut *tx).await {
+            Ok(_) => {}
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+                return Err(LedgerError::FenceBusy(CHANGE_WAIT));
+            }
+            Err(e) => return Err(e.into()),
+        }
         let changed: Option<RegionFence> = sqlx::query_as(
             "UPDATE region_fence SET failed = $1, region = $2, epoch = $3, reason = $4, changed_at = now()
-              WHERE epoch <= $3 RETURNING failed, region, epoch, reason",
+              WHERE epoch <= $3 AND (region IS NULL OR region = $2) RETURNING failed, region, epoch, reason",
         )
         .bind(failed)
         .bind(region)
@@ -89,9 +131,17 @@ impl Ledger {
         .await?;
         let change = match changed {
             Some(fence) => FenceChange::Set(fence),
-            None => FenceChange::Newer(
-                sqlx::query_as("SELECT failed, region, epoch, reason FROM region_fence").fetch_one(&mut *tx).await?,
-            ),
+            None => {
+                let fence: RegionFence = sqlx::query_as("SELECT failed, region, epoch, reason FROM region_fence")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                match fence.region {
+                    Some(ledger) if ledger != region => {
+                        return Err(LedgerError::OtherRegion { ledger, asked: region.to_owned() });
+                    }
+                    _ => FenceChange::Newer(fence),
+                }
+            }
         };
         tx.commit().await?;
         Ok(change)

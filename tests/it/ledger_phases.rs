@@ -262,3 +262,34 @@ async fn only_a_newer_epoch_moves_the_region_fence() {
     // The same declaration again (a retried command) is no change of mind.
     assert!(matches!(db.ledger.set_region_fence(false, "r-1", 5, "again").await, Ok(FenceChange::Set(_))));
 }
+
+/// A phase stalled inside its transaction (its owner paused) must not hold
+/// the whole region behind a fence change that waits for it: the change
+/// gives up after its wait and says so, and phases go on meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_phase_delays_a_fence_change_only_for_its_wait() {
+    use std::time::{Duration, Instant};
+    let db = TestLedger::new().await;
+    let stalled = db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await.unwrap();
+    let started = Instant::now();
+    let change = db.ledger.set_region_fence(true, "r-1", 1, "drill").await;
+    assert!(matches!(change, Err(LedgerError::FenceBusy(_))), "{change:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "it gave up after its wait");
+    let after = db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await.unwrap();
+    after.commit().await.unwrap();
+    assert!(!db.ledger.region_fence().await.unwrap().failed, "nothing changed");
+    drop(stalled);
+    assert!(db.ledger.set_region_fence(true, "r-1", 1, "drill").await.is_ok(), "once the stall ends, it goes through");
+}
+
+/// A ledger bound to its region refuses a change naming another one (an
+/// SRE's `--ledger` pointed at the wrong database).
+#[tokio::test]
+async fn a_fence_change_for_another_region_is_refused() {
+    let db = TestLedger::new().await;
+    assert_eq!(db.ledger.bind_region_fence("r-1").await.unwrap().region.as_deref(), Some("r-1"));
+    assert_eq!(db.ledger.bind_region_fence("r-2").await.unwrap().region.as_deref(), Some("r-1"), "bound once");
+    let wrong = db.ledger.set_region_fence(false, "r-2", 9, "restored r-2").await;
+    assert!(matches!(wrong, Err(LedgerError::OtherRegion { .. })), "{wrong:?}");
+    assert!(db.ledger.set_region_fence(true, "r-1", 9, "failed r-1").await.is_ok());
+}

@@ -320,3 +320,43 @@ async fn a_retry_that_races_the_keys_finish_replays_it() {
     assert_eq!(retried.headers()["idempotent-replayed"], "true");
     assert_eq!(retried.bytes().await.unwrap().to_vec(), answer.body, "the answer the key holds");
 }
+
+/// The gap of a failover: the key already names the new home B, whose
+/// ledger has not written the payment yet, while A holds a leftover. No
+/// region may say 404 for it, or show A's copy: each answers 503 (payment
+/// moving) until B shows the live copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_a_payment_moves_reads_answer_503_never_a_404_or_the_leftover() {
+    let app = spawn_app_with(|s| s.engine.rails.rail_timeout = Duration::from_millis(300)).await;
+    let b = app.second_region("test-2").await;
+    let body = payment("E2E-moving-1");
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    let parked = app.pay("moving-1", &body).await;
+    assert_eq!(parked.status(), StatusCode::ACCEPTED, "parked in A");
+    let id = parked.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("moving-1").unwrap());
+    declare(&app, RegionState::Failed).await;
+    // B's owner has moved the key and recorded the hand-off, not yet adopted it.
+    let item = app.keys.store.get(&key).await.unwrap().unwrap();
+    let owner = keyfence::domain::Owner::attempt_of("b-owner");
+    let lease = keyfence::keystore::Lease { now: Millis::now(), length: Duration::from_millis(1) };
+    let moved = app.keys.store.fail_over(&key, item.fence, &owner, lease, "test-1", "test-2").await.unwrap();
+    app.keys.store.hand_off(&keyfence::keystore::Handoff::of(&moved, "test-1")).await.unwrap();
+    declare(&app, RegionState::Active).await;
+
+    let path = format!("/v1/payments/{id}");
+    for (region, url) in [("A", &app.url), ("B", &b.url)] {
+        let (status, problem) = read(&app, url, &path).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "from {region}: {problem}");
+    }
+    let (status, _) = read(&app, &app.url, "/v1/payments?end_to_end_id=E2E-moving-1").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "no listing without it");
+
+    app.e2.clear_faults().await;
+    let done = app.try_pay_at(&b.url, &app.api_key, "moving-1", &body).await.unwrap();
+    assert_eq!(done.status(), StatusCode::CREATED, "B takes it over and finishes it");
+    for (region, url) in [("A", &app.url), ("B", &b.url)] {
+        let (status, shown) = read(&app, url, &path).await;
+        assert_eq!((status, shown["status"].as_str()), (StatusCode::OK, Some("succeeded")), "from {region}");
+    }
+}
