@@ -147,6 +147,35 @@ impl Ledger {
     }
 }
 
+impl Ledger {
+    /// Voids a request this ledger never held, named by a hand-off: a
+    /// `VOIDED` row under `fence`, so an owner of the old region that wakes
+    /// later finds the request fenced instead of starting it here. False if
+    /// a row appeared meanwhile (that one is voided like any leftover).
+    pub async fn void_absent(
+        &self,
+        key: &ScopedKey,
+        created_at: Millis,
+        payment_id: Uuid,
+        fence: Fence,
+    ) -> Result<bool, LedgerError> {
+        let inserted = sqlx::query(
+            "INSERT INTO requests
+                (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
+             VALUES ($1, $2, $3, 'payment', '', $4, $5, 'VOIDED', ''::bytea)
+             ON CONFLICT (client_id, idem_key, created_at) DO NOTHING",
+        )
+        .bind(key.client.as_uuid())
+        .bind(key.key.as_str())
+        .bind(timestamp(created_at))
+        .bind(payment_id)
+        .bind(fence_param(fence))
+        .execute(&self.pool)
+        .await?;
+        Ok(inserted.rows_affected() == 1)
+    }
+}
+
 async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fence) -> Result<(), LedgerError> {
     let totals: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT account, currency, sum(amount_minor)::bigint FROM postings WHERE payment_id = $1

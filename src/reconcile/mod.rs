@@ -234,9 +234,17 @@ pub async fn run<K: KeyStore>(
                 progress.repaired();
             })
             .await;
-        for handoff in &cleared {
-            engine.keys().forget_handoff(handoff).await?;
-            handoffs_cleared += 1;
+        for (handoff, absent) in &cleared {
+            // Never here: a voided row stops an old owner that wakes later.
+            let voided = !absent
+                || engine
+                    .ledger()
+                    .void_absent(&handoff.key, handoff.created_at, handoff.payment_id, handoff.fence)
+                    .await?;
+            if voided {
+                engine.keys().forget_handoff(handoff).await?;
+                handoffs_cleared += 1;
+            }
         }
         handoffs_cleared += found
             .iter()
@@ -262,11 +270,12 @@ pub async fn run<K: KeyStore>(
 
 /// Reads every hand-off of a request that left this region; each one whose
 /// leftover is still here becomes a `moved_in_flight` finding. Returns the
-/// requests they name, and the hand-offs with nothing left here to void.
+/// requests they name, and the hand-offs with nothing left here to void
+/// (true: the request has no row here at all).
 async fn handoffs<K: KeyStore>(
     engine: &Engine<K>,
     found: &Mutex<Vec<Found>>,
-) -> Result<(Vec<RequestId>, Vec<Handoff>), EngineError> {
+) -> Result<(Vec<RequestId>, Vec<(Handoff, bool)>), EngineError> {
     let mut all = Vec::new();
     for shard in 0..INFLIGHT_SHARDS {
         all.extend(engine.keys().handoffs(engine.region(), shard).await?);
@@ -278,7 +287,8 @@ async fn handoffs<K: KeyStore>(
         let views = engine.ledger().views(&wanted).await?;
         for handoff in page {
             let id = (handoff.key.partition_key(), handoff.created_at);
-            match views.get(&id).filter(|v| v.recovery_point != RecoveryPoint::VOIDED) {
+            let view = views.get(&id);
+            match view.filter(|v| v.recovery_point != RecoveryPoint::VOIDED) {
                 Some(view) => {
                     let evidence = format!(
                         "failed over to {} under fence {} (hand-off); this ledger at {} under fence {}, payment {}",
@@ -293,7 +303,7 @@ async fn handoffs<K: KeyStore>(
                     one.handoff = Some(handoff.clone());
                     lock(found).push(one);
                 }
-                None => cleared.push(handoff.clone()),
+                None => cleared.push((handoff.clone(), view.is_none())),
             }
             named.push(id);
         }

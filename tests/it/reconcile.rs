@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use keyfence::config::ServeSettings;
-use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
+use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
 use keyfence::engine::derived_key;
 use keyfence::keystore::{KeyItem, KeyState, KeyStore};
 use keyfence::reconcile::{self, Class, Options, Progress, Report};
@@ -461,5 +461,43 @@ async fn a_leftover_that_never_committed_a_phase_is_voided() {
         sqlx::query_scalar("SELECT recovery_point FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
     assert_eq!(point, "VOIDED");
     assert_eq!(app.count("postings").await, 0, "nothing to reverse");
+    assert_clean(&app).await;
+}
+
+/// A hand-off naming a request this region's ledger never held (its owner
+/// here claimed it and was fenced before any phase): the reconciler voids
+/// it all the same, as a row, so that owner, waking late, cannot start it
+/// here once the hand-off is gone.
+#[tokio::test]
+async fn a_handoff_for_a_request_never_written_here_leaves_a_void_that_stops_a_late_owner() {
+    let app = spawn_app().await;
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("never-here-1").unwrap());
+    let handoff = keyfence::keystore::Handoff {
+        from: "test-1".into(),
+        to: "other-1".into(),
+        key: key.clone(),
+        created_at: Millis::now(),
+        payment_id: uuid::Uuid::now_v7(),
+        fence: Fence::new(2),
+    };
+    app.keys.store.hand_off(&handoff).await.unwrap();
+
+    let report = reconcile(&app, true).await;
+    assert!(report.findings.is_empty(), "{}", report.table());
+    assert_eq!((report.handoffs, report.handoffs_cleared), (1, 1));
+    let record = keyfence::ledger::RequestRecord {
+        key,
+        created_at: handoff.created_at,
+        operation: "payment".into(),
+        request_hash: RequestHash::from_hex("ab".repeat(32)),
+        payment_id: handoff.payment_id,
+        request: b"{}".to_vec(),
+    };
+    let late = app
+        .db
+        .ledger
+        .begin_phase(&record, Fence::FIRST, &RecoveryPoint::STARTED, &RecoveryPoint::named("H1_DONE"))
+        .await;
+    assert!(matches!(late, Err(keyfence::ledger::LedgerError::FencedOut { .. })), "{:?}", late.map(|_| ()));
     assert_clean(&app).await;
 }
