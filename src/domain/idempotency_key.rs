@@ -35,6 +35,22 @@ impl IdempotencyKey {
         Ok(Self(raw.to_owned()))
     }
 
+    /// The key as an `Idempotency-Key` header carries it: bare, or as a
+    /// Structured Field string (`"…"`, what the IETF draft specifies). Both
+    /// forms of one value are the same key; anything else (an unclosed
+    /// quote, parameters, escapes) is refused, as is any character a key
+    /// may not hold.
+    pub fn from_header(raw: &str) -> Result<Self, InvalidKey> {
+        match raw.strip_prefix('"') {
+            Some(quoted) => match quoted.strip_suffix('"') {
+                Some(inner) if !inner.is_empty() => Self::parse(inner),
+                Some(_) => Err(InvalidKey::Empty),
+                None => Err(InvalidKey::BadCharacter),
+            },
+            None => Self::parse(raw),
+        }
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -49,6 +65,16 @@ impl fmt::Display for IdempotencyKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_header_may_quote_the_key_as_a_structured_field_string() {
+        let bare = IdempotencyKey::from_header("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap();
+        let quoted = IdempotencyKey::from_header("\"8e03978e-40d5-43e8-bc93-6894a57f9324\"").unwrap();
+        assert_eq!(bare, quoted, "one key, two spellings");
+        for ambiguous in ["\"abc", "abc\"", "\"a\"b\"", "\"a\\\"b\"", "\"abc\";p=1", "\"\"", "\""] {
+            assert!(IdempotencyKey::from_header(ambiguous).is_err(), "{ambiguous}");
+        }
+    }
 
     #[test]
     fn accepts_uuids_and_simple_references() {

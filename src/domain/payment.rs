@@ -76,13 +76,13 @@ impl PaymentRequest {
         check(
             is_reference(&self.end_to_end_id),
             "end_to_end_id",
-            "must be 1-35 characters without control characters (ISO 20022 Max35Text)",
+            "must be 1-35 characters without control or invisible format characters (ISO 20022 Max35Text)",
         );
         if let Some(info) = &self.remittance_info {
             check(
                 is_text(info, 0, 140),
                 "remittance_info",
-                "must be at most 140 characters without control characters",
+                "must be at most 140 characters without control or invisible format characters",
             );
         }
         errors
@@ -99,8 +99,20 @@ pub fn is_reference(s: &str) -> bool {
     is_text(s, 1, 35)
 }
 
+/// Text of `min` to `max` characters with none that hides or reorders what
+/// a person reads: no control character, no format character (bidi
+/// overrides, zero-width characters, soft hyphens: general category Cf), no
+/// line or paragraph separator (U+2028, U+2029).
 fn is_text(s: &str, min: usize, max: usize) -> bool {
-    (min..=max).contains(&s.chars().count()) && !s.chars().any(char::is_control)
+    use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
+    let hidden = |c: char| {
+        c.is_control()
+            || matches!(
+                c.general_category(),
+                GeneralCategory::Format | GeneralCategory::LineSeparator | GeneralCategory::ParagraphSeparator
+            )
+    };
+    (min..=max).contains(&s.chars().count()) && !s.chars().any(hidden)
 }
 
 fn is_currency(code: &str) -> bool {
@@ -125,6 +137,24 @@ mod tests {
         json!({"amount_minor": 1250, "currency": "EUR", "debtor_account": "DE89370400440532013000",
                "creditor_account": "FR1420041010050500013M02606", "end_to_end_id": "INV-2026-0001",
                "remittance_info": "invoice 1"})
+    }
+
+    #[test]
+    fn text_that_hides_or_reorders_what_a_person_reads_is_refused() {
+        for hidden in
+            ["\u{202E}lanigiro", "pay\u{200B}ee", "line\u{2028}break", "para\u{2029}", "\u{FEFF}bom", "soft\u{AD}"]
+        {
+            let mut v = valid();
+            v["remittance_info"] = json!(hidden);
+            let errors = PaymentRequest::parse(v).unwrap_err();
+            assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), ["remittance_info"], "{hidden:?}");
+            let mut v = valid();
+            v["end_to_end_id"] = json!(hidden);
+            assert_eq!(PaymentRequest::parse(v).unwrap_err()[0].field, "end_to_end_id", "{hidden:?}");
+        }
+        let mut v = valid();
+        v["remittance_info"] = json!("Überweisung für Rechnung 42, ünd €");
+        assert!(PaymentRequest::parse(v).is_ok(), "letters and symbols of any script are fine");
     }
 
     #[test]

@@ -242,7 +242,7 @@ impl<K: KeyStore> Engine<K> {
     ) -> Result<Settled, EngineError> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = wire_key(attempt, ext);
-        match self.rails.get(ext.rail).probe(&key).await {
+        match self.rails.get(ext.rail).probe(&key, &op.instruction(ext)).await {
             ProbeOutcome::Found(verdict) => Ok(Settled::Verdict(verdict)),
             ProbeOutcome::NotFound => self.call(op, attempt, ext).await,
             ProbeOutcome::Unknown(why) => self.park(attempt, ext, &why).await,

@@ -49,7 +49,7 @@ pub fn idempotency_key(headers: &HeaderMap) -> Result<IdempotencyKey, ApiError> 
         return Err(ApiError::RepeatedKey);
     }
     let raw = raw.to_str().map_err(|_| ApiError::InvalidKey(crate::domain::InvalidKey::BadCharacter))?;
-    IdempotencyKey::parse(raw).map_err(ApiError::InvalidKey)
+    IdempotencyKey::from_header(raw).map_err(ApiError::InvalidKey)
 }
 
 /// Middleware: refuses a body whose declared length is over the limit at

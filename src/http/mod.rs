@@ -17,10 +17,13 @@ use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::StatusCode;
+use axum::http::{HeaderName, HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::set_header::SetResponseHeaderLayer;
 use tower_http::trace::TraceLayer;
 
 use crate::clients::Directory;
@@ -29,6 +32,9 @@ use crate::keystore::DynamoKeyStore;
 
 pub use peers::Peers;
 pub use problem::ApiError;
+
+/// The header naming each request in its answer (and in the caller's logs).
+const REQUEST_ID: &str = "request-id";
 
 #[derive(Clone)]
 pub struct AppState {
@@ -107,8 +113,13 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(axum::middleware::from_fn(count_answers))
+        // Answers are about one caller's money at one moment: never cached.
+        .layer(SetResponseHeaderLayer::overriding(header::CACHE_CONTROL, HeaderValue::from_static("no-store")))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), extract::refuse_oversized))
         .layer(TraceLayer::new_for_http().make_span_with(crate::telemetry::request_span))
+        // Every answer names itself (the caller's id when it sent one).
+        .layer(PropagateRequestIdLayer::new(HeaderName::from_static(REQUEST_ID)))
+        .layer(SetRequestIdLayer::new(HeaderName::from_static(REQUEST_ID), MakeRequestUuid))
         .with_state(state)
 }

@@ -109,7 +109,7 @@ impl RailClient {
             StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
                 CallOutcome::NotApplied(format!("{} answered {}", self.base, response.status()))
             }
-            _ => match verdict(response).await {
+            _ => match verdict(response, key, instruction).await {
                 Ok(verdict) => CallOutcome::Settled(verdict),
                 // Anything else is not a promise either way.
                 Err(why) => CallOutcome::Unknown(why),
@@ -119,7 +119,7 @@ impl RailClient {
 
     /// Asks what became of the instruction sent under `key`.
     #[tracing::instrument(skip(self), fields(rail = %self.base))]
-    pub async fn probe(&self, key: &str) -> ProbeOutcome {
+    pub async fn probe(&self, key: &str, instruction: &Instruction) -> ProbeOutcome {
         let _timer = Timer::start("keyfence_rail_seconds", &[("rail", self.name), ("call", "probe")]);
         let probe = self.http.get(format!("{}/v1/instructions/{key}", self.base)).headers(trace_context());
         let response = match probe.send().await {
@@ -129,7 +129,7 @@ impl RailClient {
         if response.status() == StatusCode::NOT_FOUND {
             return ProbeOutcome::NotFound;
         }
-        match verdict(response).await {
+        match verdict(response, key, instruction).await {
             Ok(verdict) => ProbeOutcome::Found(verdict),
             Err(why) => ProbeOutcome::Unknown(why),
         }
@@ -145,14 +145,25 @@ fn trace_context() -> reqwest::header::HeaderMap {
 
 /// The definite answers: 200/201 with what was applied, 402 with why it was
 /// declined. Anything else, or a body that does not read, is no answer.
-async fn verdict(response: reqwest::Response) -> Result<Verdict, String> {
+/// The verdict an answer carries, if it is about what was sent: an answer
+/// for another key, amount, currency or reference (a confused or hostile
+/// system, a proxy mixing answers up) settles nothing and counts as unknown.
+async fn verdict(response: reqwest::Response, key: &str, sent: &Instruction) -> Result<Verdict, String> {
     let status = response.status();
     let unreadable = |e: reqwest::Error| format!("{status} with an unreadable answer: {e}");
-    match status {
+    let verdict = match status {
         StatusCode::OK | StatusCode::CREATED => {
             response.json::<Applied>().await.map(Verdict::Applied).map_err(unreadable)
         }
         StatusCode::PAYMENT_REQUIRED => response.json::<Declined>().await.map(Verdict::Declined).map_err(unreadable),
         other => Err(format!("{} answered {other}", response.url().origin().ascii_serialization())),
-    }
+    }?;
+    let (answered_key, reference, amount) = match &verdict {
+        Verdict::Applied(a) => (&a.idempotency_key, &a.end_to_end_id, Some((a.amount_minor, &a.currency))),
+        Verdict::Declined(d) => (&d.idempotency_key, &d.end_to_end_id, None),
+    };
+    let matches = answered_key == key
+        && *reference == sent.end_to_end_id
+        && amount.is_none_or(|(minor, currency)| minor == sent.amount_minor && *currency == sent.currency);
+    if matches { Ok(verdict) } else { Err(format!("an answer that does not match the instruction sent under {key}")) }
 }

@@ -24,6 +24,21 @@ pub struct TestRail {
 }
 
 impl TestRail {
+    /// A stand-in rail serving `router` (a system that misbehaves on purpose).
+    pub async fn serving(router: axum::Router) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Self { url, _stop: stop }
+    }
+
     pub async fn start(name: &str) -> Self {
         Self::start_with(name, None).await
     }

@@ -29,6 +29,7 @@ mod ledger_phases;
 mod lost_replies;
 #[cfg(feature = "failpoints")]
 mod metrics;
+mod perimeter;
 mod process;
 mod protocol_model;
 mod proxy;

@@ -1,0 +1,107 @@
+//! The perimeter as other clients and other systems meet it: keys sent the
+//! way the IETF draft spells them, text that would hide or reorder what a
+//! person reads, a rail whose answer is not about what was sent, and the
+//! headers every answer carries.
+
+use axum::Json;
+use axum::extract::Path;
+use axum::http::HeaderMap;
+use axum::routing::{get, post};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::app::{TestRail, payment, spawn_app, spawn_app_on};
+
+/// The quoted (Structured Field string) and bare forms of one key are one
+/// key: the second is a replay of the first.
+#[tokio::test]
+async fn a_quoted_idempotency_key_is_the_same_key_as_the_bare_one() {
+    let app = spawn_app().await;
+    let body = payment("E2E-QUOTED");
+    let quoted = app.pay("\"8e03978e-40d5-43e8-bc93-6894a57f9324\"", &body).await;
+    assert_eq!(quoted.status(), StatusCode::CREATED);
+    let first = quoted.bytes().await.unwrap();
+    let bare = app.pay("8e03978e-40d5-43e8-bc93-6894a57f9324", &body).await;
+    assert_eq!(bare.status(), StatusCode::CREATED);
+    assert_eq!(bare.headers()["idempotent-replayed"], "true");
+    assert_eq!(bare.bytes().await.unwrap(), first);
+    assert_eq!(app.count("payments").await, 1);
+    let unclosed = app.pay("\"8e03978e", &body).await;
+    assert_eq!(unclosed.status(), StatusCode::BAD_REQUEST, "an unclosed quote is refused");
+}
+
+/// A bidi override (or a zero-width character) in a text field would make
+/// a statement read differently from what it holds: refused, naming the
+/// field, before anything is claimed.
+#[tokio::test]
+async fn text_with_invisible_format_characters_is_refused() {
+    let app = spawn_app().await;
+    let mut body = payment("E2E-BIDI");
+    body["remittance_info"] = json!("invoice \u{202E}24 eciovni");
+    let refused = app.pay("bidi-1", &body).await;
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["errors"][0]["field"], "remittance_info", "{problem}");
+    assert_eq!(app.key_items().await, 0, "nothing claimed");
+}
+
+/// A rail that answers for another amount than it was sent (confused, or
+/// hostile): the answer settles nothing; the payment stays pending (202),
+/// to be probed again, never reported succeeded on a lie.
+#[tokio::test]
+async fn a_rail_answer_that_does_not_match_the_instruction_settles_nothing() {
+    async fn lie(headers: HeaderMap, Json(sent): Json<Value>) -> (StatusCode, Json<Value>) {
+        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        (StatusCode::CREATED, Json(answer(&key, &sent)))
+    }
+    fn answer(key: &str, sent: &Value) -> Value {
+        json!({
+            "idempotency_key": key,
+            "end_to_end_id": sent["end_to_end_id"],
+            "amount_minor": sent["amount_minor"].as_i64().unwrap_or(0) * 100,
+            "currency": sent["currency"],
+            "reference": "liar-1",
+            "applied_at": "2026-12-01T00:00:00Z",
+        })
+    }
+    let liar = axum::Router::new()
+        .route("/v1/instructions", post(lie))
+        .route("/v1/instructions/{key}", get(|Path(_key): Path<String>| async { StatusCode::NOT_FOUND }));
+    let app = spawn_app_on(TestRail::start("e1").await, TestRail::serving(liar).await, |s| {
+        s.engine.rails.rail_timeout = std::time::Duration::from_millis(300)
+    })
+    .await;
+    let answered = app.pay("liar-1", &payment("E2E-LIAR")).await;
+    assert_eq!(answered.status(), StatusCode::ACCEPTED, "unknown, not succeeded");
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM payments").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(status, "pending");
+    let settled: i64 = sqlx::query_scalar("SELECT count(*) FROM phase_runs WHERE point = 'EXT2_DONE'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(settled, 0, "nothing recorded as the rail's outcome");
+}
+
+/// Every answer names itself with a `Request-Id` (the caller's, if it sent
+/// one); answers are never cached; a 405 says which methods are allowed.
+#[tokio::test]
+async fn every_answer_carries_a_request_id_and_payments_are_never_cached() {
+    let app = spawn_app().await;
+    let paid = app.pay("headers-1", &payment("E2E-HEADERS")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
+    assert!(paid.headers().get("request-id").is_some_and(|id| !id.is_empty()), "{:?}", paid.headers());
+    assert_eq!(paid.headers()["cache-control"], "no-store");
+    let read = app.get_as(&app.api_key, &format!("/v1/payments/{}", uuid::Uuid::now_v7())).await;
+    assert_eq!(read.status(), StatusCode::NOT_FOUND);
+    assert!(read.headers().get("request-id").is_some());
+    assert_eq!(read.headers()["cache-control"], "no-store");
+    let mine =
+        app.http.get(format!("{}/healthz", app.url)).header("request-id", "caller-chosen-7").send().await.unwrap();
+    assert_eq!(mine.headers()["request-id"], "caller-chosen-7", "the caller's id is kept");
+    let wrong = app.http.delete(format!("{}/v1/payments", app.url)).send().await.unwrap();
+    assert_eq!(wrong.status(), StatusCode::METHOD_NOT_ALLOWED);
+    let allow = wrong.headers().get("allow").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default();
+    assert!(allow.contains("GET") && allow.contains("POST"), "Allow: {allow:?}");
+    assert!(wrong.headers().get("request-id").is_some());
+}
