@@ -17,7 +17,7 @@ use crate::keystore::KeyStore;
 use crate::ledger::payments::Held;
 
 /// What a local copy of a payment is.
-pub enum Copy {
+pub enum Standing {
     Live,
     /// Superseded here; the home region named by the key, if it is known.
     Leftover {
@@ -26,10 +26,10 @@ pub enum Copy {
 }
 
 /// Judges the copy `held` in this region's ledger, for `client`.
-pub async fn judge<K: KeyStore>(engine: &Engine<K>, client: ClientId, held: &Held) -> Result<Copy, EngineError> {
+pub async fn judge<K: KeyStore>(engine: &Engine<K>, client: ClientId, held: &Held) -> Result<Standing, EngineError> {
     let status = held.payment.status.as_str();
     if matches!(status, "succeeded" | "rejected") {
-        return Ok(Copy::Live);
+        return Ok(Standing::Live);
     }
     let created_at = crate::ledger::millis(held.request_created_at);
     let key = IdempotencyKey::parse(&held.idem_key)
@@ -37,11 +37,11 @@ pub async fn judge<K: KeyStore>(engine: &Engine<K>, client: ClientId, held: &Hel
         .map_err(|e| EngineError::Fault(format!("stored key {:?}: {e}", held.idem_key)))?;
     let item = engine.keys().get(&key).await?.filter(|item| item.created_at == created_at);
     Ok(match item {
-        Some(item) if item.home_region == engine.region() && status != "voided" => Copy::Live,
-        Some(item) => Copy::Leftover { home: Some(item.home_region) },
+        Some(item) if item.home_region == engine.region() && status != "voided" => Standing::Live,
+        Some(item) => Standing::Leftover { home: Some(item.home_region) },
         None if status == "voided" || engine.keys().handoff_of(engine.region(), &key, created_at).await? => {
-            Copy::Leftover { home: None }
+            Standing::Leftover { home: None }
         }
-        None => Copy::Live,
+        None => Standing::Live,
     })
 }

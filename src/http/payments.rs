@@ -15,7 +15,7 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, require_json};
-use super::live::{self, Copy};
+use super::live::{self, Standing};
 use super::peers::{Asked, check_target, forwardable};
 use super::{ApiError, AppState, json};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
@@ -105,8 +105,8 @@ pub async fn show(
     let local = state.engine.ledger().payment_of(client, id).await.map_err(EngineError::from)?;
     let home = match &local {
         Some(held) => match live::judge(&state.engine, client, held).await? {
-            Copy::Live => return Ok(Json(&held.payment).into_response()),
-            Copy::Leftover { home } => home,
+            Standing::Live => return Ok(Json(&held.payment).into_response()),
+            Standing::Leftover { home } => home,
         },
         None => None,
     };
@@ -149,10 +149,10 @@ pub async fn by_reference(
     let (mut live, mut leftovers) = (Vec::new(), Vec::new());
     for held in local {
         match live::judge(&state.engine, client, &held).await? {
-            Copy::Live => {
+            Standing::Live => {
                 live.push(serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()))?)
             }
-            Copy::Leftover { .. } => leftovers.push(held.payment.id.to_string()),
+            Standing::Leftover { .. } => leftovers.push(held.payment.id.to_string()),
         }
     }
     // Another region asking gets live copies only.
