@@ -7,6 +7,7 @@
 //! | metric | labels | what |
 //! | --- | --- | --- |
 //! | `keyfence_http_requests_total` | `route`, `answer` | answers by class: `created`, `replayed`, `ok`, `pending`, `declined`, `in_flight`, `mismatch`, `client_error`, `unavailable`, `server_error` |
+//! | `keyfence_client_lookups_total` | `outcome` | reads of the client directory: `found` or `unknown` (a key never looked up, or not for `CACHE_FOR`; malformed keys are refused unread) |
 //! | `keyfence_claims_total` | `outcome` | `won` (a new request) or `existing` (the key was there) |
 //! | `keyfence_takeovers_total` | `by` | `retry`, `worker` (recovery worker and reconciler), `failover` |
 //! | `keyfence_fenced_out_total` | `store` | an owner refused by the `key_store` or the `ledger` |

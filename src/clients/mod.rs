@@ -3,14 +3,16 @@
 //! reads (`control#client#{sha256 of the API key}`; only the digest is
 //! stored). Each instance caches what it looked up for [`CACHE_FOR`], so a
 //! request costs no store read once its key is known, and a revoked client
-//! is refused everywhere within that delay.
+//! is refused everywhere within that delay. Made-up keys cost nothing: one
+//! not shaped like a keyfence key is refused unread, and unknown ones are
+//! cached apart from known ones, one read per digest however many ask.
 
 mod store;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use quick_cache::sync::Cache;
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -21,9 +23,11 @@ pub use store::{ClientStore, ClientsError};
 /// How long a looked-up key is trusted: the revocation delay.
 pub const CACHE_FOR: Duration = Duration::from_secs(5);
 
-/// Cached lookups kept at most; past it the cache starts afresh (so a flood
-/// of made-up keys cannot grow it without bound).
-const CACHE_ENTRIES: usize = 100_000;
+/// Active clients' keys kept at most.
+const KNOWN_ENTRIES: usize = 100_000;
+
+/// Other lookups kept at most (the least recently used make room).
+const UNKNOWN_ENTRIES: usize = 10_000;
 
 /// A client as the directory records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -36,19 +40,29 @@ pub struct ClientRecord {
     pub revoked_at: Option<u64>,
 }
 
-/// Lookups by key digest: when, and what was found (`None`: no active client).
-type Cache = HashMap<String, (Instant, Option<ClientId>)>;
-
-/// The clients, as this instance sees them.
-#[derive(Clone, Debug)]
+/// The clients, as this instance sees them. Known keys and unknown ones
+/// are cached apart, so a flood of made-up keys evicts no legitimate one;
+/// concurrent lookups of one digest make one store read between them; a
+/// presented key not shaped like a keyfence key is refused with no read.
+#[derive(Clone)]
 pub struct Directory {
     store: ClientStore,
-    cache: Arc<Mutex<Cache>>,
+    /// Digests of active clients' keys, and when each was looked up.
+    known: Arc<Cache<String, (Instant, ClientId)>>,
+    /// The last lookup of every other digest (and, while a lookup runs, the
+    /// place its concurrent twins wait on).
+    unknown: Arc<Cache<String, (Instant, Option<ClientId>)>>,
+}
+
+impl std::fmt::Debug for Directory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Directory").field("known", &self.known.len()).field("unknown", &self.unknown.len()).finish()
+    }
 }
 
 impl Directory {
     pub fn new(store: ClientStore) -> Self {
-        Self { store, cache: Arc::default() }
+        Self { store, known: Arc::new(Cache::new(KNOWN_ENTRIES)), unknown: Arc::new(Cache::new(UNKNOWN_ENTRIES)) }
     }
 
     pub fn store(&self) -> &ClientStore {
@@ -57,22 +71,32 @@ impl Directory {
 
     /// The active client a presented key belongs to, if any.
     pub async fn find(&self, key: &ApiKey) -> Result<Option<ClientId>, ClientsError> {
+        if !key.is_well_formed() {
+            return Ok(None);
+        }
         let digest = key.digest();
-        if let Some((at, found)) = self.lock().get(&digest)
-            && at.elapsed() < CACHE_FOR
-        {
-            return Ok(*found);
+        if let Some((_, client)) = self.known.get(&digest).filter(|(at, _)| at.elapsed() < CACHE_FOR) {
+            return Ok(Some(client));
         }
-        let found = self.store.by_digest(&digest).await?.filter(|c| c.revoked_at.is_none()).map(|c| c.id);
-        let mut cache = self.lock();
-        if cache.len() >= CACHE_ENTRIES {
-            cache.clear();
+        loop {
+            match self.unknown.get_value_or_guard_async(&digest).await {
+                Ok((at, found)) if at.elapsed() < CACHE_FOR => return Ok(found),
+                // Stale: look it up afresh.
+                Ok(_) => {
+                    self.unknown.remove(&digest);
+                }
+                Err(guard) => {
+                    let found = self.store.by_digest(&digest).await?.filter(|c| c.revoked_at.is_none()).map(|c| c.id);
+                    let outcome = if found.is_some() { "found" } else { "unknown" };
+                    metrics::counter!("keyfence_client_lookups_total", "outcome" => outcome).increment(1);
+                    let _ = guard.insert((Instant::now(), found));
+                    if let Some(client) = found {
+                        self.known.insert(digest.clone(), (Instant::now(), client));
+                        self.unknown.remove(&digest);
+                    }
+                    return Ok(found);
+                }
+            }
         }
-        cache.insert(digest, (Instant::now(), found));
-        Ok(found)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
-        self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

@@ -13,6 +13,15 @@ impl ApiKey {
         Self(format!("kf_{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple()))
     }
 
+    /// Whether the presented secret has the shape every generated key has
+    /// (`kf_` and 64 lowercase hex digits): anything else is refused before
+    /// any lookup, at no cost.
+    pub fn is_well_formed(&self) -> bool {
+        self.0
+            .strip_prefix("kf_")
+            .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+    }
+
     /// The presented secret, as received.
     pub fn presented(raw: &str) -> Self {
         Self(raw.to_owned())
@@ -26,5 +35,20 @@ impl ApiKey {
     /// The secret itself, to show the operator once.
     pub fn reveal(&self) -> &str {
         &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_generated_keys_are_well_formed() {
+        assert!(ApiKey::generate().is_well_formed());
+        for made_up in
+            ["", "kf_", "kf_abc", "Bearer", &format!("kf_{}", "A".repeat(64)), &format!("xx_{}", "a".repeat(64))]
+        {
+            assert!(!ApiKey::presented(made_up).is_well_formed(), "{made_up:?}");
+        }
     }
 }

@@ -105,3 +105,31 @@ async fn every_answer_carries_a_request_id_and_payments_are_never_cached() {
     assert!(allow.contains("GET") && allow.contains("POST"), "Allow: {allow:?}");
     assert!(wrong.headers().get("request-id").is_some());
 }
+
+/// `keyfence_client_lookups_total` for `outcome`, as /metrics shows it now.
+async fn lookups(app: &crate::app::TestApp, outcome: &str) -> u64 {
+    let text = app.http.get(format!("{}/metrics", app.url)).send().await.unwrap().text().await.unwrap();
+    let line = format!("keyfence_client_lookups_total{{outcome=\"{outcome}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// A flood of made-up bearer tokens costs the key table nothing: malformed
+/// ones are refused unread, and many requests with one well-formed unknown
+/// token make one read between them; the honest client is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_bearer_tokens_cost_at_most_one_lookup_each() {
+    let app = spawn_app().await;
+    let (unknown_before, found_before) = (lookups(&app, "unknown").await, lookups(&app, "found").await);
+    let made_up = format!("kf_{}", "0123456789abcdef".repeat(4));
+    let flood = (0..200).map(|i| {
+        let token = if i % 2 == 0 { made_up.clone() } else { format!("guess-{i}") };
+        let request = app.http.get(format!("{}/v1/payments?end_to_end_id=x", app.url)).bearer_auth(token);
+        async move { request.send().await.unwrap().status() }
+    });
+    let statuses = futures::future::join_all(flood).await;
+    assert!(statuses.iter().all(|s| *s == StatusCode::UNAUTHORIZED), "{statuses:?}");
+    assert_eq!(lookups(&app, "unknown").await - unknown_before, 1, "one read for 100 requests with one token");
+    assert_eq!(app.pay("honest-1", &payment("E2E-HONEST")).await.status(), StatusCode::CREATED);
+    assert_eq!(app.pay("honest-2", &payment("E2E-HONEST-2")).await.status(), StatusCode::CREATED);
+    assert!(lookups(&app, "found").await - found_before <= 1, "the honest key is read once, then known");
+}
