@@ -32,6 +32,9 @@ enum Command {
     /// Manage API clients.
     #[command(subcommand)]
     Clients(ClientsCommand),
+    /// The debtor accounts each client may pay from.
+    #[command(subcommand)]
+    Accounts(AccountsCommand),
     /// Housekeeping beside traffic: --expire deletes finished keys past their retention.
     Maintain(MaintainArgs),
     /// See which regions are active, declare one failed, or bring it back.
@@ -280,6 +283,9 @@ enum ClientsCommand {
     Add {
         #[arg(long)]
         name: String,
+        /// A debtor account the client may pay from (repeat for more).
+        #[arg(long = "account", value_parser = parse_account)]
+        accounts: Vec<String>,
         #[command(flatten)]
         keys: KeyStoreSettings,
         /// Print {"client_id": ..., "api_key": ...}.
@@ -301,6 +307,54 @@ enum ClientsCommand {
         #[command(flatten)]
         keys: KeyStoreSettings,
     },
+    /// Set a client's limits (each left as it is unless given); seen by every instance within 5 seconds.
+    Limits {
+        /// The client's id.
+        #[arg(long)]
+        id: keyfence::domain::ClientId,
+        /// The largest amount of one payment, in minor units.
+        #[arg(long = "max-amount", value_parser = clap::value_parser!(i64).range(1..))]
+        max_amount: Option<i64>,
+        /// The currencies the client may pay in, comma-separated (EUR,USD).
+        #[arg(long, value_delimiter = ',')]
+        currencies: Option<Vec<String>>,
+        #[command(flatten)]
+        keys: KeyStoreSettings,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The debtor accounts a client may pay from (normalised: upper case, no spaces, IBAN check digits checked).
+#[derive(Subcommand)]
+enum AccountsCommand {
+    /// Let a client pay from these accounts.
+    Add(AccountsArgs),
+    /// Stop a client paying from these accounts.
+    Remove(AccountsArgs),
+    /// The accounts a client may pay from, and its limits.
+    List {
+        #[arg(long)]
+        client: keyfence::domain::ClientId,
+        #[command(flatten)]
+        keys: KeyStoreSettings,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+struct AccountsArgs {
+    #[arg(long)]
+    client: keyfence::domain::ClientId,
+    #[arg(long = "account", required = true, value_parser = parse_account)]
+    accounts: Vec<String>,
+    #[command(flatten)]
+    keys: KeyStoreSettings,
+}
+
+fn parse_account(raw: &str) -> Result<String, String> {
+    keyfence::domain::normal_account(raw).map_err(str::to_owned)
 }
 
 #[derive(Args)]
@@ -326,7 +380,21 @@ async fn main() -> anyhow::Result<ExitCode> {
     let outcome = match cli.command {
         Command::Serve(settings) => serve(*settings).await,
         Command::Migrate(args) => done(migrate(args).await),
-        Command::Clients(ClientsCommand::Add { name, keys, json }) => done(add_client(&name, &keys, json).await),
+        Command::Clients(ClientsCommand::Add { name, accounts, keys, json }) => {
+            done(add_client(&name, &accounts, &keys, json).await)
+        }
+        Command::Clients(ClientsCommand::Limits { id, max_amount, currencies, keys, json }) => {
+            let limits = keyfence::clients::Limits {
+                currencies: currencies.map(|c| c.into_iter().map(|c| c.trim().to_ascii_uppercase()).collect()),
+                max_amount_minor: max_amount,
+            };
+            done(show_profile(client_store(&keys).await.set_limits(id, &limits).await, id, json))
+        }
+        Command::Accounts(AccountsCommand::Add(args)) => done(change_accounts(args, true).await),
+        Command::Accounts(AccountsCommand::Remove(args)) => done(change_accounts(args, false).await),
+        Command::Accounts(AccountsCommand::List { client, keys, json }) => {
+            done(show_profile(client_store(&keys).await.profile(client).await, client, json))
+        }
         Command::Clients(ClientsCommand::List { keys, json }) => done(list_clients(&keys, json).await),
         Command::Clients(ClientsCommand::Revoke { id, keys }) => done(revoke_client(id, &keys).await),
         Command::Maintain(args) => done(maintain(args).await),
@@ -443,7 +511,9 @@ async fn recover(args: RecoverArgs) -> anyhow::Result<()> {
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let ledger = Ledger::connect(&args.ledger).await.context("connecting to the ledger")?;
     let api_key = ApiKey::generate();
-    client_store(&args.keys).await.add("bench", &api_key).await.context("creating the bench client")?;
+    let store = client_store(&args.keys).await;
+    let bench = store.add("bench", &api_key).await.context("creating the bench client")?;
+    store.change_accounts(bench.id, &["DE89370400440532013000".to_owned()], true).await?;
     let floor = bench::front_door::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&args.keys).await, args.keys.table.clone()),
         ledger,
@@ -661,16 +731,51 @@ async fn client_store(keys: &KeyStoreSettings) -> ClientStore {
     ClientStore::new(keystore::connect(keys).await, keys.table.clone())
 }
 
-async fn add_client(name: &str, keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {
+async fn add_client(name: &str, accounts: &[String], keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {
     let key = ApiKey::generate();
     let store = client_store(keys).await;
     let id = store.add(name, &key).await.context("creating the client (has `keyfence migrate` run?)")?.id;
+    store.change_accounts(id, accounts, true).await.context("recording the client's accounts")?;
     if json {
-        println!("{}", serde_json::json!({ "client_id": id.to_string(), "api_key": key.reveal() }));
+        println!(
+            "{}",
+            serde_json::json!({ "client_id": id.to_string(), "api_key": key.reveal(), "accounts": accounts })
+        );
     } else {
         println!("client {name}: {id}");
         println!("api key (shown only now): {}", key.reveal());
+        println!(
+            "accounts: {}",
+            if accounts.is_empty() { "none yet (keyfence accounts add)".to_owned() } else { accounts.join(", ") }
+        );
     }
+    Ok(())
+}
+
+async fn change_accounts(args: AccountsArgs, add: bool) -> anyhow::Result<()> {
+    let changed = client_store(&args.keys).await.change_accounts(args.client, &args.accounts, add).await;
+    show_profile(changed, args.client, false)
+}
+
+/// A client's profile, for people or as JSON.
+fn show_profile(
+    profile: Result<keyfence::clients::Profile, keyfence::clients::ClientsError>,
+    id: keyfence::domain::ClientId,
+    json: bool,
+) -> anyhow::Result<()> {
+    let profile = profile?;
+    if json {
+        println!("{}", serde_json::json!({ "client_id": id.to_string(), "profile": profile }));
+        return Ok(());
+    }
+    println!("client {id}");
+    println!("accounts: {}", profile.accounts.iter().cloned().collect::<Vec<_>>().join(", "));
+    let currencies = profile.currencies.map(|c| c.into_iter().collect::<Vec<_>>().join(", "));
+    println!("currencies: {}", currencies.unwrap_or_else(|| "any".into()));
+    println!(
+        "largest payment: {}",
+        profile.max_amount_minor.map_or("no limit of its own".to_owned(), |m| format!("{m} minor units"))
+    );
     Ok(())
 }
 

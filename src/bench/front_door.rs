@@ -176,6 +176,7 @@ async fn floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, St
         tx.commit().await.map_err(|e| e.to_string())?;
     }
     let instruction = Instruction {
+        originator: client.to_string(),
         end_to_end_id: format!("FLOOR-{i}"),
         amount_minor: 1,
         currency: "EUR".into(),

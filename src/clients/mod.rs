@@ -7,6 +7,7 @@
 //! not shaped like a keyfence key is refused unread, and unknown ones are
 //! cached apart from known ones, one read per digest however many ask.
 
+mod profile;
 mod store;
 
 use std::sync::Arc;
@@ -18,6 +19,8 @@ use tokio::time::Instant;
 
 use crate::domain::{ApiKey, ClientId};
 
+pub use profile::{Limits, Profile, Refusal};
+use store::store;
 pub use store::{ClientStore, ClientsError};
 
 /// How long a looked-up key is trusted: the revocation delay.
@@ -52,6 +55,8 @@ pub struct Directory {
     /// The last lookup of every other digest (and, while a lookup runs, the
     /// place its concurrent twins wait on).
     unknown: Arc<Cache<String, (Instant, Option<ClientId>)>>,
+    /// Profiles looked up, and when.
+    profiles: Arc<Cache<ClientId, (Instant, Arc<Profile>)>>,
 }
 
 impl std::fmt::Debug for Directory {
@@ -62,7 +67,12 @@ impl std::fmt::Debug for Directory {
 
 impl Directory {
     pub fn new(store: ClientStore) -> Self {
-        Self { store, known: Arc::new(Cache::new(KNOWN_ENTRIES)), unknown: Arc::new(Cache::new(UNKNOWN_ENTRIES)) }
+        Self {
+            store,
+            known: Arc::new(Cache::new(KNOWN_ENTRIES)),
+            unknown: Arc::new(Cache::new(UNKNOWN_ENTRIES)),
+            profiles: Arc::new(Cache::new(KNOWN_ENTRIES)),
+        }
     }
 
     pub fn store(&self) -> &ClientStore {
@@ -95,6 +105,25 @@ impl Directory {
                         self.unknown.remove(&digest);
                     }
                     return Ok(found);
+                }
+            }
+        }
+    }
+
+    /// Client `id`'s profile, as of at most [`CACHE_FOR`] ago (a change
+    /// made with the CLI reaches every instance within that delay);
+    /// concurrent lookups make one read.
+    pub async fn profile(&self, id: ClientId) -> Result<Arc<Profile>, ClientsError> {
+        loop {
+            match self.profiles.get_value_or_guard_async(&id).await {
+                Ok((at, profile)) if at.elapsed() < CACHE_FOR => return Ok(profile),
+                Ok(_) => {
+                    self.profiles.remove(&id);
+                }
+                Err(guard) => {
+                    let profile = Arc::new(self.store.profile(id).await?);
+                    let _ = guard.insert((Instant::now(), profile.clone()));
+                    return Ok(profile);
                 }
             }
         }

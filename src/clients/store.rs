@@ -36,6 +36,14 @@ impl ClientStore {
         Self { client, table: table.into() }
     }
 
+    pub(super) fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub(super) fn table(&self) -> &str {
+        &self.table
+    }
+
     /// Registers a new client under the digest of its (new) API key.
     pub async fn add(&self, name: &str, key: &ApiKey) -> Result<ClientRecord, ClientsError> {
         let record = ClientRecord {
@@ -146,7 +154,7 @@ impl ClientStore {
     }
 }
 
-fn store(e: impl std::error::Error + 'static) -> ClientsError {
+pub(super) fn store(e: impl std::error::Error + 'static) -> ClientsError {
     ClientsError::Store(DisplayErrorContext(&e).to_string())
 }
 

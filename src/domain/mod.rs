@@ -2,6 +2,7 @@
 //! trust or storage boundary. Nothing here does I/O; every untrusted string is
 //! parsed into one of these types at the edge and never handled raw again.
 
+mod account;
 mod api_key;
 mod client_id;
 mod fence;
@@ -15,6 +16,7 @@ mod retention;
 mod scoped_key;
 mod stored_response;
 
+pub use account::normal_account;
 pub use api_key::ApiKey;
 pub use client_id::ClientId;
 pub use fence::Fence;

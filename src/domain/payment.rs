@@ -44,9 +44,18 @@ impl PaymentRequest {
             let message = "must be a string; leave the field out for none".into();
             return Err(vec![FieldError { field: "remittance_info", message }]);
         }
-        let request: PaymentRequest =
+        let mut request: PaymentRequest =
             serde_json::from_value(value).map_err(|e| vec![FieldError { field: "body", message: e.to_string() }])?;
-        let errors = request.field_errors();
+        let mut errors = Vec::new();
+        for (field, account) in
+            [("debtor_account", &mut request.debtor_account), ("creditor_account", &mut request.creditor_account)]
+        {
+            match super::normal_account(account) {
+                Ok(normal) => *account = normal,
+                Err(message) => errors.push(FieldError { field, message: message.to_owned() }),
+            }
+        }
+        errors.extend(request.field_errors());
         if errors.is_empty() { Ok(request) } else { Err(errors) }
     }
 
@@ -64,16 +73,6 @@ impl PaymentRequest {
         );
         check(is_currency(&self.currency), "currency", "must be an ISO 4217 currency code such as EUR");
         check(
-            is_account(&self.debtor_account),
-            "debtor_account",
-            "must be 1-34 letters and digits (an IBAN or account number)",
-        );
-        check(
-            is_account(&self.creditor_account),
-            "creditor_account",
-            "must be 1-34 letters and digits (an IBAN or account number)",
-        );
-        check(
             is_reference(&self.end_to_end_id),
             "end_to_end_id",
             "must be 1-35 characters without control or invisible format characters (ISO 20022 Max35Text)",
@@ -87,10 +86,6 @@ impl PaymentRequest {
         }
         errors
     }
-}
-
-fn is_account(s: &str) -> bool {
-    (1..=34).contains(&s.len()) && s.chars().all(|c| c.is_ascii_alphanumeric())
 }
 
 /// An ISO 20022 end-to-end reference (Max35Text): 1-35 characters, none a

@@ -191,6 +191,7 @@ impl Operation for PaymentOperation {
 
     fn instruction(&self, _step: &ExternalStep) -> Instruction {
         Instruction {
+            originator: String::new(),
             end_to_end_id: self.payment.end_to_end_id.clone(),
             amount_minor: self.payment.amount_minor,
             currency: self.payment.currency.clone(),

@@ -99,6 +99,11 @@ fn wire_key(attempt: &Attempt, ext: &ExternalStep) -> String {
     derived_key(&attempt.record.key, attempt.record.payment_id, ext.name).simple().to_string()
 }
 
+/// The instruction of `ext`, naming the client it is made for.
+fn instruction<O: Operation>(op: &O, attempt: &Attempt, ext: &ExternalStep) -> crate::rail::Instruction {
+    crate::rail::Instruction { originator: attempt.record.key.client.to_string(), ..op.instruction(ext) }
+}
+
 /// How an external step settled.
 enum Settled {
     Verdict(Verdict),
@@ -220,7 +225,7 @@ impl<K: KeyStore> Engine<K> {
     ) -> Result<Settled, EngineError> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = wire_key(attempt, ext);
-        match self.rails.get(ext.rail).send(&key, &op.instruction(ext)).await {
+        match self.rails.get(ext.rail).send(&key, &instruction(op, attempt, ext)).await {
             CallOutcome::Settled(verdict) => {
                 failpoint::boundary(|| format!("after-call:{}", ext.name));
                 Ok(Settled::Verdict(verdict))
@@ -242,7 +247,7 @@ impl<K: KeyStore> Engine<K> {
     ) -> Result<Settled, EngineError> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = wire_key(attempt, ext);
-        match self.rails.get(ext.rail).probe(&key, &op.instruction(ext)).await {
+        match self.rails.get(ext.rail).probe(&key, &instruction(op, attempt, ext)).await {
             ProbeOutcome::Found(verdict) => Ok(Settled::Verdict(verdict)),
             ProbeOutcome::NotFound => self.call(op, attempt, ext).await,
             ProbeOutcome::Unknown(why) => self.park(attempt, ext, &why).await,

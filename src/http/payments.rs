@@ -18,6 +18,7 @@ use super::extract::{Caller, idempotency_key, require_json};
 use super::live::{self, Standing};
 use super::peers::{Asked, check_target, forwardable};
 use super::{ApiError, AppState, json};
+use crate::clients::Refusal;
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
 
@@ -40,6 +41,16 @@ pub async fn create(
     let canonical = serde_jcs::to_vec(&value).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let request_hash = RequestHash::of("POST", PATH, &canonical);
     let payment = PaymentRequest::parse(value).map_err(ApiError::InvalidFields)?;
+    // Before anything is claimed: a refusal is no stored answer, so the
+    // same key pays once the account is added or the limit raised.
+    let profile = state.clients.profile(client).await.map_err(|e| {
+        tracing::warn!(error = %e, "could not read the caller's profile");
+        ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
+    })?;
+    profile.permits(&payment).map_err(|refusal| match refusal {
+        Refusal::AccountNotPermitted => ApiError::AccountNotPermitted,
+        Refusal::OverLimit { limit, detail } => ApiError::OverLimit { limit, detail },
+    })?;
     let submission = Submission {
         key: ScopedKey::new(client, key),
         request_hash,

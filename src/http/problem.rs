@@ -38,6 +38,13 @@ pub enum ApiError {
     },
     RegionFailed(String),
     PeersUnreachable(Vec<String>),
+    /// The debtor account is not one the caller holds (whoever holds it).
+    AccountNotPermitted,
+    /// Over one of the caller's limits.
+    OverLimit {
+        limit: &'static str,
+        detail: String,
+    },
     /// This region holds only a leftover of the payment, and no region shows
     /// its live copy yet (it is moving: its new home has not written it).
     PaymentMoving,
@@ -184,6 +191,22 @@ impl IntoResponse for ApiError {
                     regions.join(", ")
                 ),
                 None,
+            ),
+            ApiError::AccountNotPermitted => (
+                StatusCode::FORBIDDEN,
+                "account-not-permitted",
+                "Account not permitted",
+                "This client may not pay from this debtor account. Nothing was claimed: once the account is added \
+                 to the client, the same Idempotency-Key pays."
+                    .to_owned(),
+                None,
+            ),
+            ApiError::OverLimit { limit, detail } => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "limit-exceeded",
+                "Over a limit of this client",
+                format!("{detail}. Nothing was claimed."),
+                Some(json!({ "limit": limit })),
             ),
             ApiError::PaymentMoving => (
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -18,6 +18,9 @@ pub use client::{CallOutcome, ProbeOutcome, RailClient};
 /// What is sent to an external system.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Instruction {
+    /// Who asked: the client the payment is made for.
+    #[serde(default)]
+    pub originator: String,
     pub end_to_end_id: String,
     pub amount_minor: i64,
     pub currency: String,
@@ -32,6 +35,9 @@ pub struct Applied {
     pub end_to_end_id: String,
     pub amount_minor: i64,
     pub currency: String,
+    /// Who asked, as the instruction said.
+    #[serde(default)]
+    pub originator: String,
     /// The system's own reference for the instruction.
     pub reference: String,
     /// RFC 3339.

@@ -139,8 +139,9 @@ impl Simulator {
     }
 
     /// Records the instruction once per key (within the dedup window): a
-    /// repeat gets the first verdict. Returns the verdict and whether it is new.
-    fn record(&self, key: &str, instruction: Instruction) -> Result<(Verdict, bool), Instruction> {
+    /// repeat gets the first verdict. Returns the verdict and whether it is
+    /// new; a key reused for another instruction, that one's reference.
+    fn record(&self, key: &str, instruction: Instruction) -> Result<(Verdict, bool), String> {
         let mut book = self.book();
         if let Some(first) = book.latest.get(key).map(|&i| &book.entries[i])
             && self.dedup_window.is_none_or(|window| first.at.elapsed() < window)
@@ -148,7 +149,7 @@ impl Simulator {
             return if first.instruction == instruction {
                 Ok((first.verdict.clone(), false))
             } else {
-                Err(first.instruction.clone())
+                Err(first.instruction.end_to_end_id.clone())
             };
         }
         let now = OffsetDateTime::now_utc().format(&Rfc3339).unwrap_or_default();
@@ -165,6 +166,7 @@ impl Simulator {
                 end_to_end_id: instruction.end_to_end_id.clone(),
                 amount_minor: instruction.amount_minor,
                 currency: instruction.currency.clone(),
+                originator: instruction.originator.clone(),
                 reference: format!("{}-{:08}", self.name, book.entries.len() + 1),
                 applied_at: now,
             }),
@@ -228,7 +230,7 @@ async fn instruct(
         }
         Err(first) => (
             StatusCode::UNPROCESSABLE_ENTITY,
-            format!("key {key} was used for another instruction (end_to_end_id {})", first.end_to_end_id),
+            format!("key {key} was used for another instruction (end_to_end_id {first})"),
         )
             .into_response(),
     }

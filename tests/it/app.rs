@@ -166,7 +166,8 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
     let (url, stop) = start_instance(&settings).await;
     let api_key = ApiKey::generate();
     let clients = ClientStore::new(keys.store.client().clone(), keys.store.table());
-    clients.add("test client", &api_key).await.unwrap();
+    let client = clients.add("test client", &api_key).await.unwrap();
+    clients.change_accounts(client.id, &[DEBTOR.to_owned()], true).await.unwrap();
     TestApp {
         url,
         settings,
@@ -192,12 +193,15 @@ pub async fn start_instance(settings: &ServeSettings) -> (String, oneshot::Sende
     (url, stop)
 }
 
+/// The account the test client pays from (and holds).
+pub const DEBTOR: &str = "DE89370400440532013000";
+
 /// A valid payment body.
 pub fn payment(end_to_end_id: &str) -> Value {
     json!({
         "amount_minor": 1250,
         "currency": "EUR",
-        "debtor_account": "DE89370400440532013000",
+        "debtor_account": DEBTOR,
         "creditor_account": "FR1420041010050500013M02606",
         "end_to_end_id": end_to_end_id,
         "remittance_info": "invoice 42",
@@ -263,10 +267,18 @@ impl TestApp {
         self.clients().by_digest(&digest).await.unwrap().expect("the test client exists").id
     }
 
-    /// A second client of the same service.
+    /// A second client of the same service, holding the same debtor account.
     pub async fn add_client(&self) -> (ClientId, String) {
+        let (id, key) = self.add_client_holding(&[DEBTOR]).await;
+        (id, key)
+    }
+
+    /// A client of the same service holding `accounts` (in normal form).
+    pub async fn add_client_holding(&self, accounts: &[&str]) -> (ClientId, String) {
         let key = ApiKey::generate();
         let id = self.clients().add("another client", &key).await.unwrap().id;
+        let accounts: Vec<String> = accounts.iter().map(|a| (*a).to_owned()).collect();
+        self.clients().change_accounts(id, &accounts, true).await.unwrap();
         (id, key.reveal().to_owned())
     }
 

@@ -10,7 +10,7 @@ use keyfence::domain::ApiKey;
 use reqwest::StatusCode;
 use serde_json::Value;
 
-use crate::app::{payment, spawn_app};
+use crate::app::{DEBTOR, payment, spawn_app};
 use crate::process::keyfence_command;
 
 async fn cli(app: &crate::app::TestApp, args: &[&str]) -> String {
@@ -24,7 +24,8 @@ async fn a_client_created_once_works_everywhere_and_revoked_once_nowhere() {
     let app = spawn_app().await;
     let b = app.second_region("test-2").await;
     let created: Value =
-        serde_json::from_str(&cli(&app, &["clients", "add", "--name", "acme", "--json"]).await).unwrap();
+        serde_json::from_str(&cli(&app, &["clients", "add", "--name", "acme", "--account", DEBTOR, "--json"]).await)
+            .unwrap();
     let (id, key) = (created["client_id"].as_str().unwrap(), created["api_key"].as_str().unwrap());
 
     for (i, url) in [&app.url, &b.url].into_iter().enumerate() {
@@ -72,6 +73,8 @@ async fn migrate_carries_a_ledgers_clients_into_the_key_table() {
     assert!(said.contains("1 client(s) of this ledger are in the key table now"), "{said}");
     let record = app.clients().by_digest(&key.digest()).await.unwrap().expect("copied");
     assert_eq!((record.id.as_uuid(), record.name.as_str()), (id, "old client"));
+    // A client from before accounts held none: its accounts are added.
+    cli(&app, &["accounts", "add", "--client", &record.id.to_string(), "--account", DEBTOR]).await;
     tokio::time::sleep(CACHE_FOR).await;
     assert_eq!(app.pay_as(key.reveal(), "old-1", &payment("E2E-OLD")).await.status(), StatusCode::CREATED);
     cli(&app, &["migrate"]).await;

@@ -1,7 +1,8 @@
-//! The perimeter as other clients and other systems meet it: keys sent the
-//! way the IETF draft spells them, text that would hide or reorder what a
-//! person reads, a rail whose answer is not about what was sent, and the
-//! headers every answer carries.
+//! The perimeter as other clients and other systems meet it: accounts that
+//! belong to clients, clients' limits, keys sent the way the IETF draft
+//! spells them, text that would hide or reorder what a person reads,
+//! made-up bearer tokens, a rail whose answer is not about what was sent,
+//! and the headers every answer carries.
 
 use axum::Json;
 use axum::extract::Path;
@@ -132,4 +133,85 @@ async fn made_up_bearer_tokens_cost_at_most_one_lookup_each() {
     assert_eq!(app.pay("honest-1", &payment("E2E-HONEST")).await.status(), StatusCode::CREATED);
     assert_eq!(app.pay("honest-2", &payment("E2E-HONEST-2")).await.status(), StatusCode::CREATED);
     assert!(lookups(&app, "found").await - found_before <= 1, "the honest key is read once, then known");
+}
+
+/// Accounts belong to clients. Client B pays from client A's account, and
+/// from an account nobody holds: both refused alike (403, no oracle) before
+/// anything is claimed. Not a stored answer: once B holds the account, the
+/// same key pays, and the rail is told who asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_pays_only_from_accounts_it_holds() {
+    let app = spawn_app().await;
+    let (b, b_key) = app.add_client_holding(&[]).await;
+    let mut theirs = payment("E2E-NOT-MINE");
+    theirs["debtor_account"] = json!(crate::app::DEBTOR);
+    let refused = app.pay_as(&b_key, "steal-1", &theirs).await;
+    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    let refused: Value = refused.json().await.unwrap();
+    assert_eq!(refused["type"], "urn:keyfence:problem:account-not-permitted");
+    let mut nobodys = payment("E2E-NOBODYS");
+    nobodys["debtor_account"] = json!("gb29 nwbk 6016 1331 9268 19");
+    let unheld = app.pay_as(&b_key, "own-1", &nobodys).await;
+    assert_eq!(unheld.status(), StatusCode::FORBIDDEN);
+    assert_eq!(unheld.json::<Value>().await.unwrap(), refused, "the same answer: no account oracle");
+    assert_eq!(app.key_items().await, 0, "nothing claimed");
+    assert!(app.e2.statement().await.is_empty(), "nothing at the rails");
+
+    app.clients().change_accounts(b, &["GB29NWBK60161331926819".to_owned()], true).await.unwrap();
+    tokio::time::sleep(keyfence::clients::CACHE_FOR + std::time::Duration::from_millis(200)).await;
+    let paid = app.pay_as(&b_key, "own-1", &nobodys).await;
+    assert_eq!(paid.status(), StatusCode::CREATED, "the same key pays once the account is B's");
+    let shown: Value = paid.json().await.unwrap();
+    assert_eq!(shown["debtor_account"], "GB29NWBK60161331926819", "stored in its normal form");
+    let statement = app.e2.statement().await;
+    assert_eq!(statement.len(), 1);
+    assert_eq!(statement[0].originator, b.to_string(), "the rail is told who asked");
+    let stolen = app.pay_as(&b_key, "steal-1", &theirs).await;
+    assert_eq!(stolen.status(), StatusCode::FORBIDDEN, "still not B's to pay from");
+}
+
+/// A client's limits (currencies, largest payment) are enforced before the
+/// claim, with a 422 naming the limit.
+#[tokio::test]
+async fn a_clients_limits_are_enforced_before_anything_is_claimed() {
+    let app = spawn_app().await;
+    let limits =
+        keyfence::clients::Limits { currencies: Some(["USD".to_owned()].into()), max_amount_minor: Some(1000) };
+    app.clients().set_limits(app.client_id().await, &limits).await.unwrap();
+    let euros = app.pay("limits-1", &payment("E2E-LIMIT-1")).await;
+    assert_eq!(euros.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(euros.json::<Value>().await.unwrap()["limit"], "currencies");
+    let mut dollars = payment("E2E-LIMIT-2");
+    dollars["currency"] = json!("USD");
+    let large = app.pay("limits-2", &dollars).await;
+    assert_eq!(large.status(), StatusCode::UNPROCESSABLE_ENTITY, "1250 is over 1000");
+    assert_eq!(large.json::<Value>().await.unwrap()["limit"], "max_amount_minor");
+    dollars["amount_minor"] = json!(900);
+    assert_eq!(app.pay("limits-3", &dollars).await.status(), StatusCode::CREATED);
+    assert_eq!(app.key_items().await, 1, "only the payment within the limits was claimed");
+}
+
+/// The operator's side: accounts are given in any spacing or case and kept
+/// in their normal form; an IBAN with wrong check digits is refused.
+#[tokio::test]
+async fn accounts_are_managed_from_the_cli_in_their_normal_form() {
+    let app = spawn_app().await;
+    let id = app.client_id().await.to_string();
+    let run = |args: &[&str]| {
+        let mut command = crate::process::keyfence_command(&app, "accounts");
+        command.args(args);
+        async move { command.output().await.unwrap() }
+    };
+    let added = run(&["add", "--client", &id, "--account", "gb29 nwbk 6016 1331 9268 19"]).await;
+    assert!(added.status.success(), "{}", String::from_utf8_lossy(&added.stderr));
+    let bad = run(&["add", "--client", &id, "--account", "GB28NWBK60161331926819"]).await;
+    assert_eq!(bad.status.code(), Some(2), "wrong check digits");
+    let listed = run(&["list", "--client", &id, "--json"]).await;
+    let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let accounts = listed["profile"]["accounts"].as_array().unwrap();
+    assert_eq!(accounts, &vec![json!(crate::app::DEBTOR), json!("GB29NWBK60161331926819")]);
+    let removed = run(&["remove", "--client", &id, "--account", "GB29NWBK60161331926819"]).await;
+    assert!(removed.status.success());
+    let listed: Value = serde_json::from_slice(&run(&["list", "--client", &id, "--json"]).await.stdout).unwrap();
+    assert_eq!(listed["profile"]["accounts"], json!([crate::app::DEBTOR]));
 }
