@@ -3,9 +3,10 @@
 //! reads (`control#client#{sha256 of the API key}`; only the digest is
 //! stored). Each instance caches what it looked up for [`CACHE_FOR`], so a
 //! request costs no store read once its key is known, and a revoked client
-//! is refused everywhere within that delay. Made-up keys cost nothing: one
-//! not shaped like a keyfence key is refused unread, and unknown ones are
-//! cached apart from known ones, one read per digest however many ask.
+//! is refused everywhere within that delay. Made-up keys cost little: one
+//! not shaped like a keyfence key is refused unread, and well-formed unknown
+//! ones are cached apart from known ones (so they evict none), one read per
+//! digest and delay however many ask.
 
 mod profile;
 mod store;

@@ -113,11 +113,11 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(axum::middleware::from_fn(count_answers))
-        // Answers are about one caller's money at one moment: never cached.
-        .layer(SetResponseHeaderLayer::overriding(header::CACHE_CONTROL, HeaderValue::from_static("no-store")))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), extract::refuse_oversized))
         .layer(TraceLayer::new_for_http().make_span_with(crate::telemetry::request_span))
+        // Answers are about one caller's money at one moment: never cached.
+        .layer(SetResponseHeaderLayer::overriding(header::CACHE_CONTROL, HeaderValue::from_static("no-store")))
         // Every answer names itself (the caller's id when it sent one).
         .layer(PropagateRequestIdLayer::new(HeaderName::from_static(REQUEST_ID)))
         .layer(SetRequestIdLayer::new(HeaderName::from_static(REQUEST_ID), MakeRequestUuid))

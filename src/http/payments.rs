@@ -21,6 +21,7 @@ use super::{ApiError, AppState, json};
 use crate::clients::Refusal;
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
+use crate::keystore::KeyStore;
 
 const PATH: &str = "/v1/payments";
 
@@ -41,22 +42,13 @@ pub async fn create(
     let canonical = serde_jcs::to_vec(&value).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let request_hash = RequestHash::of("POST", PATH, &canonical);
     let payment = PaymentRequest::parse(value).map_err(ApiError::InvalidFields)?;
-    // Before anything is claimed: a refusal is no stored answer, so the
-    // same key pays once the account is added or the limit raised.
-    let profile = state.clients.profile(client).await.map_err(|e| {
-        tracing::warn!(error = %e, "could not read the caller's profile");
-        ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
-    })?;
-    profile.permits(&payment).map_err(|refusal| match refusal {
-        Refusal::AccountNotPermitted => ApiError::AccountNotPermitted,
-        Refusal::OverLimit { limit, detail } => ApiError::OverLimit { limit, detail },
-    })?;
-    let submission = Submission {
-        key: ScopedKey::new(client, key),
-        request_hash,
-        canonical,
-        operation: PaymentOperation::new(payment),
-    };
+    let key = ScopedKey::new(client, key);
+    permitted(&state, &key, &payment).await?;
+    // The request is kept in its normal form (accounts upper case, no
+    // spaces), so a resume works on exactly what the first phase wrote;
+    // the fingerprint stays that of the bytes the client sent.
+    let stored = serde_jcs::to_vec(&payment).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let submission = Submission { key, request_hash, canonical: stored, operation: PaymentOperation::new(payment) };
     // The work runs on a task of its own: a client that gives up waiting
     // (or goes away) does not cut its payment off halfway, which would
     // leave the key leased to nobody until the lease runs out.
@@ -64,6 +56,28 @@ pub async fn create(
     let work = tokio::spawn(async move { engine.submit(submission).await }.in_current_span());
     let answer = work.await.map_err(|e| EngineError::Fault(format!("the payment's task ended: {e}")))??;
     respond(answer)
+}
+
+/// Refuses a new payment the caller may not make (an account it does not
+/// hold, over one of its limits) before anything is claimed: no stored
+/// answer, so the same key pays once the account is added or the limit
+/// raised. A key already claimed is worked on as it was accepted (replayed,
+/// in flight, or refused as reused), whatever the caller's profile says now:
+/// only a refusal costs that one key-store read.
+async fn permitted(state: &AppState, key: &ScopedKey, payment: &PaymentRequest) -> Result<(), ApiError> {
+    let profile = state.clients.profile(key.client).await.map_err(|e| {
+        tracing::warn!(error = %e, "could not read the caller's profile");
+        ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
+    })?;
+    let Err(refusal) = profile.permits(payment) else { return Ok(()) };
+    let gone_before = state.engine.retention().gone_before(crate::domain::Millis::now());
+    if state.engine.keys().get(key).await.map_err(EngineError::from)?.is_some_and(|item| !item.expired(gone_before)) {
+        return Ok(());
+    }
+    Err(match refusal {
+        Refusal::AccountNotPermitted => ApiError::AccountNotPermitted,
+        Refusal::OverLimit { limit, detail } => ApiError::OverLimit { limit, detail },
+    })
 }
 
 /// Whether reading the body failed because the client took too long.

@@ -8,6 +8,7 @@ use axum::Json;
 use axum::extract::Path;
 use axum::http::HeaderMap;
 use axum::routing::{get, post};
+use keyfence::keystore::KeyStore;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -168,6 +169,19 @@ async fn a_client_pays_only_from_accounts_it_holds() {
     assert_eq!(statement[0].originator, b.to_string(), "the rail is told who asked");
     let stolen = app.pay_as(&b_key, "steal-1", &theirs).await;
     assert_eq!(stolen.status(), StatusCode::FORBIDDEN, "still not B's to pay from");
+    let key = keyfence::domain::ScopedKey::new(b, keyfence::domain::IdempotencyKey::parse("own-1").unwrap());
+    let stored = app.keys.store.get(&key).await.unwrap().unwrap().request;
+    assert!(String::from_utf8_lossy(&stored).contains("GB29NWBK60161331926819"), "kept in its normal form");
+
+    // The account is taken away again: a retry of the payment it made is
+    // still the replay of that payment, not a refusal saying nothing happened.
+    app.clients().change_accounts(b, &["GB29NWBK60161331926819".to_owned()], false).await.unwrap();
+    tokio::time::sleep(keyfence::clients::CACHE_FOR + std::time::Duration::from_millis(200)).await;
+    let (fresh, _stop) = crate::app::start_instance(&app.settings).await;
+    let retry = app.try_pay_at(&fresh, &b_key, "own-1", &nobodys).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED, "a replay");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(app.pay_as(&b_key, "own-2", &nobodys).await.status(), StatusCode::FORBIDDEN, "a new one is refused");
 }
 
 /// A client's limits (currencies, largest payment) are enforced before the
