@@ -89,44 +89,55 @@ impl Directory {
         if let Some((_, client)) = self.known.get(&digest).filter(|(at, _)| at.elapsed() < CACHE_FOR) {
             return Ok(Some(client));
         }
-        loop {
-            match self.unknown.get_value_or_guard_async(&digest).await {
-                Ok((at, found)) if at.elapsed() < CACHE_FOR => return Ok(found),
-                // Stale: look it up afresh.
-                Ok(_) => {
-                    self.unknown.remove(&digest);
-                }
-                Err(guard) => {
-                    let found = self.store.by_digest(&digest).await?.filter(|c| c.revoked_at.is_none()).map(|c| c.id);
-                    let outcome = if found.is_some() { "found" } else { "unknown" };
-                    metrics::counter!("keyfence_client_lookups_total", "outcome" => outcome).increment(1);
-                    let _ = guard.insert((Instant::now(), found));
-                    if let Some(client) = found {
-                        self.known.insert(digest.clone(), (Instant::now(), client));
-                        self.unknown.remove(&digest);
-                    }
-                    return Ok(found);
-                }
-            }
+        let found = fresh_or_load(&self.unknown, &digest, async || {
+            let found = self.store.by_digest(&digest).await?.filter(|c| c.revoked_at.is_none()).map(|c| c.id);
+            let outcome = if found.is_some() { "found" } else { "unknown" };
+            metrics::counter!("keyfence_client_lookups_total", "outcome" => outcome).increment(1);
+            Ok(found)
+        })
+        .await?;
+        if let Some(client) = found {
+            self.known.insert(digest.clone(), (Instant::now(), client));
+            self.unknown.remove(&digest);
         }
+        Ok(found)
     }
 
     /// Client `id`'s profile, as of at most [`CACHE_FOR`] ago (a change
     /// made with the CLI reaches every instance within that delay);
     /// concurrent lookups make one read.
     pub async fn profile(&self, id: ClientId) -> Result<Arc<Profile>, ClientsError> {
-        loop {
-            match self.profiles.get_value_or_guard_async(&id).await {
-                Ok((at, profile)) if at.elapsed() < CACHE_FOR => return Ok(profile),
-                Ok(_) => {
-                    self.profiles.remove(&id);
-                }
-                Err(guard) => {
-                    let profile = Arc::new(self.store.profile(id).await?);
-                    let _ = guard.insert((Instant::now(), profile.clone()));
-                    return Ok(profile);
-                }
-            }
+        fresh_or_load(&self.profiles, &id, async || Ok(Arc::new(self.store.profile(id).await?))).await
+    }
+}
+
+/// What `cache` holds for `key`, if it was loaded less than [`CACHE_FOR`]
+/// ago; otherwise one caller runs `load` and the callers asking meanwhile
+/// wait for its value (quick_cache's placeholder), so a key is read once.
+async fn fresh_or_load<K, V>(
+    cache: &Cache<K, (Instant, V)>,
+    key: &K,
+    load: impl AsyncFnOnce() -> Result<V, ClientsError>,
+) -> Result<V, ClientsError>
+where
+    K: Eq + std::hash::Hash + Clone,
+    V: Clone,
+{
+    let looked = match cache.get_value_or_guard_async(key).await {
+        Ok((at, value)) if at.elapsed() < CACHE_FOR => return Ok(value),
+        Ok(_) => {
+            cache.remove(key);
+            cache.get_value_or_guard_async(key).await
+        }
+        Err(guard) => Err(guard),
+    };
+    match looked {
+        // Loaded meanwhile by another caller.
+        Ok((_, value)) => Ok(value),
+        Err(guard) => {
+            let value = load().await?;
+            let _ = guard.insert((Instant::now(), value.clone()));
+            Ok(value)
         }
     }
 }
