@@ -318,6 +318,15 @@ enum ClientsCommand {
         /// The currencies the client may pay in, comma-separated (EUR,USD).
         #[arg(long, value_delimiter = ',')]
         currencies: Option<Vec<String>>,
+        /// Requests a second the client may make of each instance.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        rate: Option<u32>,
+        /// Requests at once after a quiet spell, per instance.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        burst: Option<u32>,
+        /// Payments in flight at once, per instance.
+        #[arg(long = "in-flight", value_parser = clap::value_parser!(u32).range(1..))]
+        in_flight: Option<u32>,
         #[command(flatten)]
         keys: KeyStoreSettings,
         #[arg(long)]
@@ -383,10 +392,11 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Clients(ClientsCommand::Add { name, accounts, keys, json }) => {
             done(add_client(&name, &accounts, &keys, json).await)
         }
-        Command::Clients(ClientsCommand::Limits { id, max_amount, currencies, keys, json }) => {
+        Command::Clients(ClientsCommand::Limits { id, max_amount, currencies, rate, burst, in_flight, keys, json }) => {
             let limits = keyfence::clients::Limits {
                 currencies: currencies.map(|c| c.into_iter().map(|c| c.trim().to_ascii_uppercase()).collect()),
                 max_amount_minor: max_amount,
+                fair_use: keyfence::clients::FairUse { rate, burst, in_flight },
             };
             done(show_profile(client_store(&keys).await.set_limits(id, &limits).await, id, json))
         }
@@ -776,6 +786,14 @@ fn show_profile(
         "largest payment: {}",
         profile.max_amount_minor.map_or("no limit of its own".to_owned(), |m| format!("{m} minor units"))
     );
+    let own =
+        |limit: Option<u32>, unit: &str| limit.map_or("the instance's default".to_owned(), |n| format!("{n} {unit}"));
+    println!(
+        "rate: {} (burst: {}), per instance",
+        own(profile.fair_use.rate, "a second"),
+        own(profile.fair_use.burst, "at once")
+    );
+    println!("in flight: {}, per instance", own(profile.fair_use.in_flight, "payments"));
     Ok(())
 }
 

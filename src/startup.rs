@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use crate::clients::{ClientStore, Directory};
 use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
-use crate::http::{AppState, Peers, router, server};
+use crate::http::{AppState, Peers, Throttle, router, server};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
@@ -111,8 +111,13 @@ impl Application {
         let engine = Arc::new(build_engine(&settings.engine).await?);
         let clients =
             Directory::new(ClientStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone()));
-        let state =
-            AppState { engine: engine.clone(), clients, peers: Peers::default(), body_limit: settings.body_limit };
+        let state = AppState {
+            engine: engine.clone(),
+            clients,
+            peers: Peers::default(),
+            throttle: Throttle::new(settings.fair_use),
+            body_limit: settings.body_limit,
+        };
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;

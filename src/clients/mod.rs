@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::domain::{ApiKey, ClientId};
 
-pub use profile::{Limits, Profile, Refusal};
+pub use profile::{FairUse, Limits, Profile, Refusal};
 use store::store;
 pub use store::{ClientStore, ClientsError};
 

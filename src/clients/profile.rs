@@ -2,7 +2,8 @@
 //! within, one control item per client (`control#profile#{client id}`),
 //! global like the client itself. Accounts are kept in their normal form
 //! ([`crate::domain::normal_account`]) as a string set, so adding and
-//! removing are single atomic updates; limits absent mean none.
+//! removing are single atomic updates; limits absent mean none (and its own
+//! fair use absent, the instance's defaults).
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -23,6 +24,21 @@ pub struct Profile {
     /// The largest amount of one payment, in minor units; `None`: no limit
     /// beyond the API's own.
     pub max_amount_minor: Option<i64>,
+    /// Its own fair use, each `None`: the instance's default.
+    #[serde(flatten)]
+    pub fair_use: FairUse,
+}
+
+/// A client's own allowance of one instance; `None`: the default
+/// (`KEYFENCE_CLIENT_RATE`, `_BURST`, `_IN_FLIGHT`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct FairUse {
+    /// Requests a second.
+    pub rate: Option<u32>,
+    /// Requests at once after a quiet spell.
+    pub burst: Option<u32>,
+    /// Payments in flight at once.
+    pub in_flight: Option<u32>,
 }
 
 /// Why a payment is refused before anything is claimed.
@@ -63,6 +79,7 @@ impl Profile {
 pub struct Limits {
     pub currencies: Option<BTreeSet<String>>,
     pub max_amount_minor: Option<i64>,
+    pub fair_use: FairUse,
 }
 
 impl ClientStore {
@@ -96,20 +113,27 @@ impl ClientStore {
     /// Sets the limits given, leaving the others as they are.
     pub async fn set_limits(&self, id: ClientId, limits: &Limits) -> Result<Profile, ClientsError> {
         self.require(id).await?;
-        let mut sets = vec!["kind = :kind", "client_id = :id"];
-        if limits.currencies.is_some() {
-            sets.push("currencies = :currencies");
+        let mut values = HashMap::new();
+        if let Some(currencies) = &limits.currencies {
+            values.insert("currencies", AttributeValue::Ss(currencies.iter().cloned().collect()));
         }
-        if limits.max_amount_minor.is_some() {
-            sets.push("max_amount_minor = :max");
+        let numbers = [
+            ("max_amount_minor", limits.max_amount_minor),
+            ("rate", limits.fair_use.rate.map(i64::from)),
+            ("burst", limits.fair_use.burst.map(i64::from)),
+            ("in_flight", limits.fair_use.in_flight.map(i64::from)),
+        ];
+        for (name, number) in numbers {
+            if let Some(number) = number {
+                values.insert(name, AttributeValue::N(number.to_string()));
+            }
         }
-        self.update(id, &format!("SET {}", sets.join(", ")), |values| {
-            if let Some(currencies) = &limits.currencies {
-                values.insert(":currencies".into(), AttributeValue::Ss(currencies.iter().cloned().collect()));
-            }
-            if let Some(max) = limits.max_amount_minor {
-                values.insert(":max".into(), AttributeValue::N(max.to_string()));
-            }
+        let sets: Vec<String> = ["kind = :kind".to_owned(), "client_id = :id".to_owned()]
+            .into_iter()
+            .chain(values.keys().map(|name| format!("{name} = :{name}")))
+            .collect();
+        self.update(id, &format!("SET {}", sets.join(", ")), |all| {
+            all.extend(values.into_iter().map(|(name, value)| (format!(":{name}"), value)));
         })
         .await
     }
@@ -151,10 +175,22 @@ fn decode(item: &HashMap<String, AttributeValue>) -> Result<Profile, ClientsErro
         Some(AttributeValue::Ss(values)) => Ok(Some(values.iter().cloned().collect::<BTreeSet<_>>())),
         Some(_) => Err(ClientsError::Malformed(name.to_owned())),
     };
-    let max_amount_minor = match item.get("max_amount_minor") {
-        None => None,
-        Some(AttributeValue::N(n)) => Some(n.parse().map_err(|_| ClientsError::Malformed("max_amount_minor".into()))?),
-        Some(_) => return Err(ClientsError::Malformed("max_amount_minor".into())),
-    };
-    Ok(Profile { accounts: set("accounts")?.unwrap_or_default(), currencies: set("currencies")?, max_amount_minor })
+    Ok(Profile {
+        accounts: set("accounts")?.unwrap_or_default(),
+        currencies: set("currencies")?,
+        max_amount_minor: number(item, "max_amount_minor")?,
+        fair_use: FairUse {
+            rate: number(item, "rate")?,
+            burst: number(item, "burst")?,
+            in_flight: number(item, "in_flight")?,
+        },
+    })
+}
+
+fn number<T: std::str::FromStr>(item: &HashMap<String, AttributeValue>, name: &str) -> Result<Option<T>, ClientsError> {
+    match item.get(name) {
+        None => Ok(None),
+        Some(AttributeValue::N(n)) => n.parse().map(Some).map_err(|_| ClientsError::Malformed(name.to_owned())),
+        Some(_) => Err(ClientsError::Malformed(name.to_owned())),
+    }
 }

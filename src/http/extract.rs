@@ -9,10 +9,13 @@ use axum::http::{HeaderMap, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use std::sync::Arc;
+
 use super::{ApiError, AppState};
+use crate::clients::Profile;
 use crate::domain::{ApiKey, ClientId, IdempotencyKey};
 
-/// The authenticated client.
+/// The authenticated client, within its request rate.
 pub struct Caller(pub ClientId);
 
 impl FromRequestParts<AppState> for Caller {
@@ -29,15 +32,25 @@ impl FromRequestParts<AppState> for Caller {
             .map(|(_, token)| token.trim())
             .filter(|t| !t.is_empty())
             .ok_or(ApiError::Unauthenticated)?;
-        match state.clients.find(&ApiKey::presented(token)).await {
-            Ok(Some(client)) => Ok(Caller(client)),
-            Ok(None) => Err(ApiError::Unauthenticated),
+        let client = match state.clients.find(&ApiKey::presented(token)).await {
+            Ok(Some(client)) => client,
+            Ok(None) => return Err(ApiError::Unauthenticated),
             Err(e) => {
                 tracing::warn!(error = %e, "could not look the caller up");
-                Err(ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) })
+                return Err(ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) });
             }
-        }
+        };
+        state.throttle.admit(client, &*profile(state, client).await?).map_err(ApiError::Throttled)?;
+        Ok(Caller(client))
     }
+}
+
+/// Client `id`'s profile (as cached), or 503 when it cannot be read.
+pub async fn profile(state: &AppState, id: ClientId) -> Result<Arc<Profile>, ApiError> {
+    state.clients.profile(id).await.map_err(|e| {
+        tracing::warn!(error = %e, "could not read the caller's profile");
+        ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
+    })
 }
 
 /// The request's Idempotency-Key, validated. Exactly one: with two, which

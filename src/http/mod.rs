@@ -12,6 +12,7 @@ mod payments;
 mod peers;
 mod problem;
 pub mod server;
+mod throttle;
 
 use std::sync::Arc;
 
@@ -32,6 +33,7 @@ use crate::keystore::DynamoKeyStore;
 
 pub use peers::Peers;
 pub use problem::ApiError;
+pub use throttle::Throttle;
 
 /// The header naming each request in its answer (and in the caller's logs).
 const REQUEST_ID: &str = "request-id";
@@ -42,6 +44,8 @@ pub struct AppState {
     pub clients: Directory,
     /// The other regions, for reads this region's ledger cannot answer.
     pub peers: peers::Peers,
+    /// Each client's fair use of this instance, and the task cap.
+    pub throttle: Throttle,
     /// Bodies over this many bytes are refused (413), as soon as their
     /// declared length says so.
     pub body_limit: usize,
@@ -90,6 +94,7 @@ async fn count_answers(request: Request, next: Next) -> Response {
         201 => "created",
         202 => "pending",
         402 => "declined",
+        429 => "throttled",
         409 => "in_flight",
         422 => "mismatch",
         200..=299 => "ok",

@@ -14,11 +14,11 @@ use serde_json::{Value, json};
 use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::extract::{Caller, idempotency_key, require_json};
+use super::extract::{Caller, idempotency_key, profile, require_json};
 use super::live::{self, Standing};
 use super::peers::{Asked, check_target, forwardable};
 use super::{ApiError, AppState, json};
-use crate::clients::Refusal;
+use crate::clients::{Profile, Refusal};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
 use crate::keystore::KeyStore;
@@ -43,7 +43,9 @@ pub async fn create(
     let request_hash = RequestHash::of("POST", PATH, &canonical);
     let payment = PaymentRequest::parse(value).map_err(ApiError::InvalidFields)?;
     let key = ScopedKey::new(client, key);
-    permitted(&state, &key, &payment).await?;
+    let profile = profile(&state, client).await?;
+    permitted(&state, &key, &payment, &profile).await?;
+    let running = state.throttle.start(&key, &profile).map_err(ApiError::Throttled)?;
     // The request is kept in its normal form (accounts upper case, no
     // spaces), so a resume works on exactly what the first phase wrote;
     // the fingerprint stays that of the bytes the client sent.
@@ -53,7 +55,14 @@ pub async fn create(
     // (or goes away) does not cut its payment off halfway, which would
     // leave the key leased to nobody until the lease runs out.
     let engine = state.engine.clone();
-    let work = tokio::spawn(async move { engine.submit(submission).await }.in_current_span());
+    let work = tokio::spawn(
+        async move {
+            let answer = engine.submit(submission).await;
+            drop(running);
+            answer
+        }
+        .in_current_span(),
+    );
     let answer = work.await.map_err(|e| EngineError::Fault(format!("the payment's task ended: {e}")))??;
     respond(answer)
 }
@@ -64,11 +73,12 @@ pub async fn create(
 /// raised. A key already claimed is worked on as it was accepted (replayed,
 /// in flight, or refused as reused), whatever the caller's profile says now:
 /// only a refusal costs that one key-store read.
-async fn permitted(state: &AppState, key: &ScopedKey, payment: &PaymentRequest) -> Result<(), ApiError> {
-    let profile = state.clients.profile(key.client).await.map_err(|e| {
-        tracing::warn!(error = %e, "could not read the caller's profile");
-        ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
-    })?;
+async fn permitted(
+    state: &AppState,
+    key: &ScopedKey,
+    payment: &PaymentRequest,
+    profile: &Profile,
+) -> Result<(), ApiError> {
     let Err(refusal) = profile.permits(payment) else { return Ok(()) };
     let gone_before = state.engine.retention().gone_before(crate::domain::Millis::now());
     if state.engine.keys().get(key).await.map_err(EngineError::from)?.is_some_and(|item| !item.expired(gone_before)) {

@@ -8,6 +8,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+use super::throttle::Throttled;
 use crate::domain::{FieldError, InvalidKey};
 use crate::engine::EngineError;
 
@@ -48,6 +49,8 @@ pub enum ApiError {
     /// This region holds only a leftover of the payment, and no region shows
     /// its live copy yet (it is moving: its new home has not written it).
     PaymentMoving,
+    /// Over the caller's fair use, or the instance's task cap.
+    Throttled(Throttled),
     /// A read forwarded for another region reached this one.
     Misdirected {
         meant_for: String,
@@ -192,6 +195,33 @@ impl IntoResponse for ApiError {
                 ),
                 None,
             ),
+            ApiError::Throttled(Throttled::Rate { .. }) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate-limited",
+                "Too many requests",
+                "This client is over its request rate. Nothing was claimed: retry after Retry-After seconds with \
+                 the same Idempotency-Key."
+                    .to_owned(),
+                None,
+            ),
+            ApiError::Throttled(Throttled::InFlight) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "too-many-in-flight",
+                "Too many payments in flight",
+                "This client has as many payments in flight as it may. Nothing was claimed: retry after \
+                 Retry-After seconds with the same Idempotency-Key."
+                    .to_owned(),
+                None,
+            ),
+            ApiError::Throttled(Throttled::Tasks) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "busy",
+                "Busy",
+                "This instance is working as many payments as it may. Nothing was claimed: retry with the same \
+                 Idempotency-Key."
+                    .to_owned(),
+                None,
+            ),
             ApiError::AccountNotPermitted => (
                 StatusCode::FORBIDDEN,
                 "account-not-permitted",
@@ -255,6 +285,13 @@ impl IntoResponse for ApiError {
             }
             ApiError::RegionFailed(_) => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(REGION_FAILED_RETRY.as_secs()));
+            }
+            ApiError::Throttled(throttled) => {
+                let wait = match throttled {
+                    Throttled::Rate { retry_after } => retry_after.as_secs_f64().ceil() as u64,
+                    Throttled::InFlight | Throttled::Tasks => 1,
+                };
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(wait.max(1)));
             }
             _ => {}
         }

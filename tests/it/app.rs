@@ -161,6 +161,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,
+        fair_use: Default::default(),
     };
     adjust(&mut settings);
     let (url, stop) = start_instance(&settings).await;

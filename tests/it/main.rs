@@ -18,6 +18,7 @@ mod emulator;
 mod engine_costs;
 mod expiry;
 mod failover;
+mod fair_use;
 mod front_door;
 mod front_door_faults;
 mod harness;

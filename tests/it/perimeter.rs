@@ -189,8 +189,11 @@ async fn a_client_pays_only_from_accounts_it_holds() {
 #[tokio::test]
 async fn a_clients_limits_are_enforced_before_anything_is_claimed() {
     let app = spawn_app().await;
-    let limits =
-        keyfence::clients::Limits { currencies: Some(["USD".to_owned()].into()), max_amount_minor: Some(1000) };
+    let limits = keyfence::clients::Limits {
+        currencies: Some(["USD".to_owned()].into()),
+        max_amount_minor: Some(1000),
+        ..Default::default()
+    };
     app.clients().set_limits(app.client_id().await, &limits).await.unwrap();
     let euros = app.pay("limits-1", &payment("E2E-LIMIT-1")).await;
     assert_eq!(euros.status(), StatusCode::UNPROCESSABLE_ENTITY);
