@@ -374,6 +374,14 @@ pub struct ServeSettings {
     pub expire_rate: u32,
     #[command(flatten)]
     pub fair_use: FairUseSettings,
+    /// File holding the region secret every region of the deployment shares (at least 32 bytes),
+    /// which signs the reads regions forward to each other. Else `KEYFENCE_REGION_SECRET` (the
+    /// environment only: a secret is never a flag). Without either, no other region is asked.
+    #[arg(long = "region-secret-file", env = "KEYFENCE_REGION_SECRET_FILE")]
+    pub region_secret_file: Option<std::path::PathBuf>,
+    /// The secret itself, when given in code (tests); else read from the file or the environment.
+    #[arg(skip)]
+    pub region_secret: Option<crate::http::RegionSecret>,
 }
 
 /// What one client may take of one instance (every client alike, unless

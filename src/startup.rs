@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use crate::clients::{ClientStore, Directory};
 use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
-use crate::http::{AppState, Peers, Throttle, router, server};
+use crate::http::{AppState, Peers, RegionSecret, Throttle, router, server};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
@@ -107,6 +107,20 @@ impl Application {
         if !conflicts.is_empty() {
             return Err(StartupError::Settings(conflicts));
         }
+        let secret = match &settings.region_secret {
+            Some(secret) => Some(secret.clone()),
+            None => RegionSecret::load(
+                settings.region_secret_file.as_deref(),
+                std::env::var("KEYFENCE_REGION_SECRET").ok().as_deref(),
+            )
+            .map_err(|why| StartupError::Settings(vec![why]))?,
+        };
+        if secret.is_none() {
+            tracing::warn!(
+                "no region secret (KEYFENCE_REGION_SECRET_FILE or KEYFENCE_REGION_SECRET): this region neither asks \
+                 other regions for payments it does not hold nor answers their reads"
+            );
+        }
         crate::metrics::install();
         let engine = Arc::new(build_engine(&settings.engine).await?);
         let clients =
@@ -114,7 +128,7 @@ impl Application {
         let state = AppState {
             engine: engine.clone(),
             clients,
-            peers: Peers::default(),
+            peers: Peers::new(secret),
             throttle: Throttle::new(settings.fair_use),
             body_limit: settings.body_limit,
         };

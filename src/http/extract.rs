@@ -11,17 +11,22 @@ use axum::response::{IntoResponse, Response};
 
 use std::sync::Arc;
 
+use super::signed::ForwardedFor;
 use super::{ApiError, AppState};
 use crate::clients::Profile;
 use crate::domain::{ApiKey, ClientId, IdempotencyKey};
 
-/// The authenticated client, within its request rate.
+/// The authenticated client: a bearer API key's, within its request rate,
+/// or the one a verified forwarded read is for (counted where it began).
 pub struct Caller(pub ClientId);
 
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if let Some(ForwardedFor(client)) = parts.extensions.get::<ForwardedFor>() {
+            return Ok(Caller(*client));
+        }
         // The scheme is case-insensitive (RFC 9110, section 11.1).
         let token = parts
             .headers

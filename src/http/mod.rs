@@ -12,6 +12,7 @@ mod payments;
 mod peers;
 mod problem;
 pub mod server;
+mod signed;
 mod throttle;
 
 use std::sync::Arc;
@@ -33,6 +34,7 @@ use crate::keystore::DynamoKeyStore;
 
 pub use peers::Peers;
 pub use problem::ApiError;
+pub use signed::{Asking, RegionSecret};
 pub use throttle::Throttle;
 
 /// The header naming each request in its answer (and in the caller's logs).
@@ -117,6 +119,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(|| async { crate::metrics::render() }))
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), signed::from_a_region))
         .layer(axum::middleware::from_fn(count_answers))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), extract::refuse_oversized))

@@ -16,7 +16,8 @@ use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, profile, require_json};
 use super::live::{self, Standing};
-use super::peers::{Asked, check_target, forwardable};
+use super::peers::{Asked, Asker, check_target};
+use super::signed::is_forwarded;
 use super::{ApiError, AppState, json};
 use crate::clients::{Profile, Refusal};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
@@ -147,12 +148,12 @@ pub async fn show(
     };
     // Another region asking gets live copies only; a leftover here says
     // the payment exists (never a 404 for it), without showing it.
-    let Some(auth) = forwardable(&headers) else {
+    if is_forwarded(&headers) {
         return Err(if local.is_some() { ApiError::PaymentMoving } else { ApiError::NotFound });
-    };
+    }
     let registry = state.engine.regions().current().await;
-    let path = format!("{PATH}/{id}");
-    match state.peers.payment(&registry, state.engine.region(), home.as_deref(), auth, &path).await {
+    let asker = Asker { me: state.engine.region(), client };
+    match state.peers.payment(&registry, asker, home.as_deref(), &id.to_string()).await {
         Asked::Found(payment) => Ok(Json(payment).into_response()),
         // Only a leftover, here: its live copy is not written yet.
         Asked::Nowhere if local.is_some() => Err(ApiError::PaymentMoving),
@@ -191,12 +192,12 @@ pub async fn by_reference(
         }
     }
     // Another region asking gets live copies only.
-    let Some(auth) = forwardable(&headers) else {
+    if is_forwarded(&headers) {
         return Ok(Json(json!({ "data": live })).into_response());
-    };
+    }
     let registry = state.engine.regions().current().await;
-    let query = [("end_to_end_id", reference.as_str())];
-    let theirs = state.peers.listing(&registry, state.engine.region(), auth, PATH, &query).await;
+    let asker = Asker { me: state.engine.region(), client };
+    let theirs = state.peers.listing(&registry, asker, &reference).await;
     live.extend(theirs.map_err(ApiError::PeersUnreachable)?);
     let merged = merged(live);
     // A payment this region holds only a leftover of, and nobody shows live

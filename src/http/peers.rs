@@ -2,25 +2,28 @@
 //! region that worked it; a client may ask any region. What this region's
 //! ledger lacks (or holds only a leftover of) it asks the other regions for
 //! (their front doors, at the URLs they advertise in the key table), the
-//! request's home region first when the key names it, on the caller's own
-//! credentials, marked as forwarded *for that region*: the region asked
+//! request's home region first when the key names it, signed as this
+//! region for the caller's client id ([`super::signed`]; the caller's API
+//! key stays here), and marked for the region meant: the region asked
 //! answers only from its own ledger and only with a live copy, and a front
 //! door of any other region (a URL that reaches the wrong place, a load
 //! balancer shared by all regions) refuses it with 421, which counts as
-//! "could not be asked". A region that cannot be asked makes the answer
-//! 503, not 404: "not found" is said only when every region that could hold
-//! it says so.
+//! "could not be asked". So does every answer not to be believed: from a
+//! URL that is not https (loopback aside), a redirect, an answer without
+//! the region's signature, one larger than [`MAX_ANSWER`], or one about
+//! another payment than asked. A region that cannot be asked makes the
+//! answer 503, not 404: "not found" is said only when every region that
+//! could hold it says so.
 
 use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::{HeaderMap, StatusCode};
 use serde_json::Value;
 
 use super::ApiError;
+use super::signed::{Asking, FORWARDED, MAX_ANSWER, RegionSecret, now};
+use crate::domain::ClientId;
 use crate::regions::Registry;
-
-/// Marks a request one region makes of another, naming the region meant.
-pub const FORWARDED: &str = "keyfence-forwarded";
 
 /// How long another region gets to answer.
 const PEER_TIMEOUT: Duration = Duration::from_secs(2);
@@ -28,6 +31,15 @@ const PEER_TIMEOUT: Duration = Duration::from_secs(2);
 #[derive(Clone, Debug)]
 pub struct Peers {
     http: reqwest::Client,
+    /// Without it no other region can be asked (or ask this one).
+    secret: Option<RegionSecret>,
+}
+
+/// Who asks, and for whom.
+#[derive(Clone, Copy)]
+pub struct Asker<'a> {
+    pub me: &'a str,
+    pub client: ClientId,
 }
 
 /// What the other regions said of one payment.
@@ -37,12 +49,6 @@ pub enum Asked {
     Nowhere,
     /// These regions could not be asked.
     Unreachable(Vec<String>),
-}
-
-/// The caller's credentials, to ask the other regions with; `None` for a
-/// request that is itself forwarded (it is answered from this ledger only).
-pub fn forwardable(headers: &HeaderMap) -> Option<&HeaderValue> {
-    headers.get(axum::http::header::AUTHORIZATION).filter(|_| !headers.contains_key(FORWARDED))
 }
 
 /// Refuses a read forwarded for another region than `me`.
@@ -55,25 +61,26 @@ pub fn check_target(headers: &HeaderMap, me: &str) -> Result<(), ApiError> {
     }
 }
 
-impl Default for Peers {
-    fn default() -> Self {
-        let http = reqwest::Client::builder().timeout(PEER_TIMEOUT).build().expect("an HTTP client");
-        Self { http }
-    }
-}
-
 impl Peers {
+    pub fn new(secret: Option<RegionSecret>) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(PEER_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .expect("an HTTP client");
+        Self { http, secret }
+    }
+
+    pub fn secret(&self) -> Option<&RegionSecret> {
+        self.secret.as_ref()
+    }
+
     /// The payment at `path` as the first other region holding a live copy
     /// shows it, asking `home` (the request's home region, when the key
     /// names it) first. A home that advertises no URL could not be asked.
-    pub async fn payment(
-        &self,
-        registry: &Registry,
-        me: &str,
-        home: Option<&str>,
-        auth: &HeaderValue,
-        path: &str,
-    ) -> Asked {
+    pub async fn payment(&self, registry: &Registry, asker: Asker<'_>, home: Option<&str>, id: &str) -> Asked {
+        let me = asker.me;
+        let path = format!("/v1/payments/{id}");
         let mut unreachable = Vec::new();
         if let Some(home) = home.filter(|h| *h != me && !registry.urls.contains_key(*h)) {
             unreachable.push(home.to_owned());
@@ -81,8 +88,12 @@ impl Peers {
         let mut asked: Vec<(&str, &str)> = others(registry, me).collect();
         asked.sort_by_key(|(region, _)| Some(*region) != home);
         for (region, url) in asked {
-            match self.get(region, url, path, &[], auth).await {
-                Ok(Some(found)) => return Asked::Found(found),
+            match self.get(asker, region, url, &path, &[]).await {
+                Ok(Some(found)) if found["id"].as_str() == Some(id) => return Asked::Found(found),
+                Ok(Some(_)) => {
+                    tracing::warn!(region, "another region answered about another payment than asked");
+                    unreachable.push(region.to_owned());
+                }
                 Ok(None) => {}
                 Err(()) => unreachable.push(region.to_owned()),
             }
@@ -90,22 +101,25 @@ impl Peers {
         if unreachable.is_empty() { Asked::Nowhere } else { Asked::Unreachable(unreachable) }
     }
 
-    /// Every other region's answer to a listing at `path` with `query`
-    /// (`{"data": [...]}`), or the regions that could not be asked.
+    /// Every other region's payments with end-to-end reference `reference`
+    /// (from `{"data": [...]}`), or the regions that could not be asked.
     pub async fn listing(
         &self,
         registry: &Registry,
-        me: &str,
-        auth: &HeaderValue,
-        path: &str,
-        query: &[(&str, &str)],
+        asker: Asker<'_>,
+        reference: &str,
     ) -> Result<Vec<Value>, Vec<String>> {
         let mut all = Vec::new();
         let mut unreachable = Vec::new();
-        for (region, url) in others(registry, me) {
-            match self.get(region, url, path, query, auth).await {
+        let query = [("end_to_end_id", reference)];
+        for (region, url) in others(registry, asker.me) {
+            match self.get(asker, region, url, "/v1/payments", &query).await {
                 Ok(Some(Value::Object(mut page))) => match page.remove("data") {
-                    Some(Value::Array(items)) => all.extend(items),
+                    Some(Value::Array(items))
+                        if items.iter().all(|p| p["end_to_end_id"].as_str() == Some(reference)) =>
+                    {
+                        all.extend(items)
+                    }
                     _ => unreachable.push(region.to_owned()),
                 },
                 Ok(_) => {}
@@ -116,27 +130,50 @@ impl Peers {
     }
 
     /// `Ok(None)` for a 404; `Err` when the region did not answer usefully
-    /// (a 421 included: the URL reached another region than `region`).
+    /// (a 421 included: the URL reached another region than `region`), or
+    /// its answer is not to be believed.
     async fn get(
         &self,
+        asker: Asker<'_>,
         region: &str,
         base: &str,
         path: &str,
         query: &[(&str, &str)],
-        auth: &HeaderValue,
     ) -> Result<Option<Value>, ()> {
-        let sent = self
-            .http
-            .get(format!("{}{path}", base.trim_end_matches('/')))
-            .query(query)
-            .header(axum::http::header::AUTHORIZATION, auth.clone())
-            .header(FORWARDED, region)
-            .send()
-            .await
-            .map_err(|e| tracing::warn!(base, error = %e, "another region could not be asked"))?;
-        match sent.status() {
-            reqwest::StatusCode::OK => sent.json().await.map(Some).map_err(|_| ()),
-            reqwest::StatusCode::NOT_FOUND => Ok(None),
+        let Some(secret) = &self.secret else {
+            tracing::warn!(region, "no region secret: other regions cannot be asked (set KEYFENCE_REGION_SECRET_FILE)");
+            return Err(());
+        };
+        let url = peer_url(base, path, query).map_err(|why| tracing::warn!(region, base, why, "not asking"))?;
+        let target = match url.query() {
+            Some(query) => format!("{}?{query}", url.path()),
+            None => url.path().to_owned(),
+        };
+        let asking = Asking { method: "GET", target: &target, region, from: asker.me, client: asker.client, at: now() };
+        let (headers, signature) = secret.sign(&asking);
+        let mut request = self.http.get(url);
+        for (name, value) in headers {
+            request = request.header(name, value);
+        }
+        let mut sent =
+            request.send().await.map_err(|e| tracing::warn!(base, error = %e, "another region could not be asked"))?;
+        let status = StatusCode::from_u16(sent.status().as_u16()).map_err(|_| ())?;
+        let answer_headers = std::mem::take(sent.headers_mut());
+        let mut body = Vec::new();
+        while let Some(chunk) = sent.chunk().await.map_err(|_| ())? {
+            if body.len() + chunk.len() > MAX_ANSWER {
+                tracing::warn!(region, "another region's answer is over the size limit");
+                return Err(());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        if !secret.answered(&signature, status, &answer_headers, &body) {
+            tracing::warn!(region, base, %status, "an answer without the region's signature is not believed");
+            return Err(());
+        }
+        match status {
+            StatusCode::OK => serde_json::from_slice(&body).map(Some).map_err(|_| ()),
+            StatusCode::NOT_FOUND => Ok(None),
             status => {
                 tracing::warn!(base, %status, "another region could not answer");
                 Err(())
@@ -145,9 +182,44 @@ impl Peers {
     }
 }
 
+/// Where to ask a region advertising `base`: https, or http to a loopback
+/// address (every region on one machine).
+fn peer_url(base: &str, path: &str, query: &[(&str, &str)]) -> Result<reqwest::Url, &'static str> {
+    let mut url = reqwest::Url::parse(&format!("{}{path}", base.trim_end_matches('/'))).map_err(|_| "not a URL")?;
+    let host = url.host_str().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
+    let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if url.scheme() != "https" && !(url.scheme() == "http" && loopback) {
+        return Err("a region's URL must be https (or http on a loopback address)");
+    }
+    if !query.is_empty() {
+        url.query_pairs_mut().extend_pairs(query);
+    }
+    Ok(url)
+}
+
 /// The regions other than `me` that advertise a URL. A region declared
 /// failed is asked too: it still holds what it finished, and answers reads
 /// while it is reachable.
 fn others<'a>(registry: &'a Registry, me: &'a str) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
     registry.urls.iter().filter(move |(region, _)| region.as_str() != me).map(|(r, url)| (r.as_str(), url.as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::peer_url;
+
+    #[test]
+    fn a_region_is_asked_over_https_or_on_this_machine_only() {
+        let url = |base| peer_url(base, "/v1/payments", &[("end_to_end_id", "E2E 1")]).map(|u| u.to_string());
+        assert_eq!(
+            url("https://eu.payments.example/").unwrap(),
+            "https://eu.payments.example/v1/payments?end_to_end_id=E2E+1"
+        );
+        assert!(url("http://eu.payments.example").is_err(), "plain http to another machine");
+        assert!(url("http://127.0.0.1:8080").is_ok());
+        assert!(url("http://[::1]:8080").is_ok());
+        assert!(url("http://localhost:8080").is_ok());
+        assert!(url("ftp://127.0.0.1").is_err());
+        assert!(url("not a url").is_err());
+    }
 }

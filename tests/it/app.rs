@@ -7,6 +7,7 @@ use std::time::Duration;
 use keyfence::clients::ClientStore;
 use keyfence::config::{EngineConfig, RailSettings, ServeSettings, WorkSettings};
 use keyfence::domain::{ApiKey, ClientId};
+use keyfence::http::RegionSecret;
 use keyfence::keystore::CONTROL_PREFIX;
 use keyfence::rail::sim::Simulator;
 use keyfence::rail::{Applied, Declined};
@@ -162,6 +163,8 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         expire_interval_ms: 0,
         expire_rate: 50,
         fair_use: Default::default(),
+        region_secret_file: None,
+        region_secret: Some(RegionSecret::new(REGION_SECRET).unwrap()),
     };
     adjust(&mut settings);
     let (url, stop) = start_instance(&settings).await;
@@ -193,6 +196,9 @@ pub async fn start_instance(settings: &ServeSettings) -> (String, oneshot::Sende
     }));
     (url, stop)
 }
+
+/// The secret the test deployment's regions share.
+pub const REGION_SECRET: &str = "the test deployment's region secret, 32 bytes or more";
 
 /// The account the test client pays from (and holds).
 pub const DEBTOR: &str = "DE89370400440532013000";

@@ -39,6 +39,7 @@ mod rail_outage;
 mod reconcile;
 #[cfg(feature = "failpoints")]
 mod reconcile_crashes;
+mod region_auth;
 #[cfg(feature = "failpoints")]
 mod regions;
 #[cfg(feature = "failpoints")]

@@ -27,6 +27,7 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
         .env("KEYFENCE_LISTEN", "127.0.0.1:0")
         .env("KEYFENCE_LOCAL_REGIONS", "1")
         .env("KEYFENCE_REGION", "test-1")
+        .env("KEYFENCE_REGION_SECRET", crate::app::REGION_SECRET)
         .env("KEYFENCE_E1_URL", &app.e1.url)
         .env("KEYFENCE_E2_URL", &app.e2.url)
         .env("KEYFENCE_LEASE_MS", LEASE_MS.to_string())

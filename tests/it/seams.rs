@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use keyfence::config::{RetentionSettings, ServeSettings};
 use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
+use keyfence::http::{Asking, RegionSecret};
 use keyfence::keystore::{INFLIGHT_SHARDS, KeyStore};
 use keyfence::reconcile::{Class, Report};
 use keyfence::regions::{self, RegionState, RegionStore};
@@ -18,7 +19,7 @@ use keyfence::startup::REGION_VIEW_AGE;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::app::{TestApp, TestRegion, payment, spawn_app_with};
+use crate::app::{REGION_SECRET, TestApp, TestRegion, payment, spawn_app_with};
 use crate::process::{ServeProcess, keyfence_command};
 use crate::reconcile::reconcile_in;
 
@@ -256,14 +257,16 @@ async fn a_read_forwarded_to_the_wrong_region_is_refused_and_never_a_404() {
     let (status, problem) = read(&app, &app.url, &format!("/v1/payments/{id}")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{problem}");
     assert_eq!(problem["type"], "urn:keyfence:problem:region-unreachable");
-    let direct = app
-        .http
-        .get(format!("{}/v1/payments/{id}", app.url))
-        .bearer_auth(&app.api_key)
-        .header("keyfence-forwarded", "test-2")
-        .send()
-        .await
-        .unwrap();
+    let path = format!("/v1/payments/{id}");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let client = app.client_id().await;
+    let asking = Asking { method: "GET", target: &path, region: "test-2", from: "test-3", client, at: now };
+    let (signed, _) = RegionSecret::new(REGION_SECRET).unwrap().sign(&asking);
+    let mut direct = app.http.get(format!("{}{path}", app.url));
+    for (name, value) in signed {
+        direct = direct.header(name, value);
+    }
+    let direct = direct.send().await.unwrap();
     assert_eq!(direct.status(), StatusCode::MISDIRECTED_REQUEST);
     assert_eq!(direct.json::<Value>().await.unwrap()["type"], "urn:keyfence:problem:misdirected-request");
 }

@@ -1,0 +1,243 @@
+//! Reads one region forwards to another, proved with the deployment's
+//! region secret rather than the caller's API key (which never leaves the
+//! region that received it). The asking region signs the method, the path
+//! with its query, the region meant, itself, the caller's client id and the
+//! time (HMAC-SHA256); the region asked refuses a forwarded request whose
+//! signature is wrong or whose time is more than [`WINDOW`] away (401), and
+//! signs its answer, bound to the request's signature, so that an answer
+//! from anything without the secret (a URL in the key table pointing
+//! elsewhere) is not believed either.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+
+use super::{ApiError, AppState};
+use crate::domain::ClientId;
+
+/// Marks a request one region makes of another, naming the region meant.
+pub const FORWARDED: &str = "keyfence-forwarded";
+const FROM: &str = "keyfence-from";
+const CLIENT: &str = "keyfence-client";
+const TIMESTAMP: &str = "keyfence-timestamp";
+const SIGNATURE: &str = "keyfence-signature";
+
+/// How far a forwarded request's time may be from the receiver's clock.
+pub const WINDOW: Duration = Duration::from_secs(60);
+
+/// The largest answer one region takes from another, in bytes.
+pub const MAX_ANSWER: usize = 1024 * 1024;
+
+/// The shortest region secret accepted, in bytes.
+const MIN_SECRET: usize = 32;
+
+/// The secret every region of a deployment shares. Never printed.
+#[derive(Clone)]
+pub struct RegionSecret(Arc<[u8]>);
+
+impl std::fmt::Debug for RegionSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RegionSecret(..)")
+    }
+}
+
+/// The client a verified forwarded request is made for.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardedFor(pub ClientId);
+
+/// What a signed request says of itself.
+pub struct Asking<'a> {
+    pub method: &'a str,
+    /// The path and query, exactly as sent.
+    pub target: &'a str,
+    /// The region meant, and the region asking.
+    pub region: &'a str,
+    pub from: &'a str,
+    pub client: ClientId,
+    /// Seconds since the epoch.
+    pub at: u64,
+}
+
+impl RegionSecret {
+    /// A secret of at least 32 bytes (surrounding whitespace dropped).
+    pub fn new(raw: &str) -> Result<Self, String> {
+        let raw = raw.trim();
+        if raw.len() < MIN_SECRET {
+            return Err(format!("the region secret must be at least {MIN_SECRET} bytes"));
+        }
+        Ok(Self(raw.as_bytes().into()))
+    }
+
+    /// The secret from `file` if given, else from `env`; `None` if neither.
+    pub fn load(file: Option<&Path>, env: Option<&str>) -> Result<Option<Self>, String> {
+        match (file, env) {
+            (Some(file), _) => {
+                let raw = std::fs::read_to_string(file)
+                    .map_err(|e| format!("cannot read the region secret from {}: {e}", file.display()))?;
+                Self::new(&raw).map(Some)
+            }
+            (None, Some(raw)) => Self::new(raw).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+
+    fn mac(&self, fields: &[&[u8]]) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        // Each field with its length, so no two lists of fields sign alike.
+        for field in fields {
+            mac.update(&(field.len() as u64).to_be_bytes());
+            mac.update(field);
+        }
+        mac
+    }
+
+    fn request_mac(&self, asking: &Asking) -> Hmac<Sha256> {
+        let (client, at) = (asking.client.to_string(), asking.at.to_string());
+        self.mac(&[
+            b"request",
+            asking.method.as_bytes(),
+            asking.target.as_bytes(),
+            asking.region.as_bytes(),
+            asking.from.as_bytes(),
+            client.as_bytes(),
+            at.as_bytes(),
+        ])
+    }
+
+    /// The headers that make `asking` a signed forwarded request, and its
+    /// signature (which the answer is bound to).
+    pub fn sign(&self, asking: &Asking) -> (Vec<(&'static str, String)>, String) {
+        let signature = hex::encode(self.request_mac(asking).finalize().into_bytes());
+        let headers = vec![
+            (FORWARDED, asking.region.to_owned()),
+            (FROM, asking.from.to_owned()),
+            (CLIENT, asking.client.to_string()),
+            (TIMESTAMP, asking.at.to_string()),
+            (SIGNATURE, signature.clone()),
+        ];
+        (headers, signature)
+    }
+
+    /// The client a forwarded request is for, if its signature is right and
+    /// its time within [`WINDOW`] of `now`; and the signature.
+    fn verify(&self, method: &str, target: &str, headers: &HeaderMap, now: u64) -> Option<(ClientId, String)> {
+        let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let at: u64 = text(TIMESTAMP)?.parse().ok()?;
+        if now.abs_diff(at) > WINDOW.as_secs() {
+            return None;
+        }
+        let client: ClientId = text(CLIENT)?.parse().ok()?;
+        let asking = Asking { method, target, region: text(FORWARDED)?, from: text(FROM)?, client, at };
+        let signature = text(SIGNATURE)?;
+        self.request_mac(&asking).verify_slice(&hex::decode(signature).ok()?).ok()?;
+        Some((client, signature.to_owned()))
+    }
+
+    fn answer_mac(&self, request_signature: &str, status: StatusCode, body: &[u8]) -> Hmac<Sha256> {
+        self.mac(&[b"answer", request_signature.as_bytes(), status.as_str().as_bytes(), body])
+    }
+
+    /// Whether an answer to the request signed `request_signature` carries
+    /// the region asked's signature.
+    pub fn answered(&self, request_signature: &str, status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
+        let Some(signature) = headers.get(SIGNATURE).and_then(|v| v.to_str().ok()).and_then(|s| hex::decode(s).ok())
+        else {
+            return false;
+        };
+        self.answer_mac(request_signature, status, body).verify_slice(&signature).is_ok()
+    }
+}
+
+/// Seconds since the epoch, now.
+pub fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Whether a request is one region's forwarded read (and so verified by
+/// [`from_a_region`] before any handler saw it).
+pub fn is_forwarded(headers: &HeaderMap) -> bool {
+    headers.contains_key(FORWARDED)
+}
+
+/// Middleware: a request marked forwarded is a region's, signed, or it is
+/// refused with 401 (without a region secret, every one is). A verified one
+/// is answered as its client, and the answer signed.
+pub async fn from_a_region(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
+    if !is_forwarded(request.headers()) {
+        return next.run(request).await;
+    }
+    let Some(secret) = state.peers.secret().cloned() else { return ApiError::Unauthenticated.into_response() };
+    let target = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    let Some((client, signature)) = secret.verify(request.method().as_str(), &target, request.headers(), now()) else {
+        return ApiError::Unauthenticated.into_response();
+    };
+    request.extensions_mut().insert(ForwardedFor(client));
+    let (mut parts, body) = next.run(request).await.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, MAX_ANSWER).await else {
+        return ApiError::Internal("an answer to another region is too large".into()).into_response();
+    };
+    let mac = secret.answer_mac(&signature, parts.status, &body).finalize().into_bytes();
+    parts.headers.insert(SIGNATURE, HeaderValue::try_from(hex::encode(mac)).expect("hex is a valid header value"));
+    Response::from_parts(parts, Body::from(body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret() -> RegionSecret {
+        RegionSecret::new("a deployment-wide secret of 32 bytes or more").unwrap()
+    }
+
+    fn headers(signed: Vec<(&'static str, String)>) -> HeaderMap {
+        signed.into_iter().map(|(name, value)| (name.parse().unwrap(), value.parse().unwrap())).collect()
+    }
+
+    #[test]
+    fn a_signed_request_is_verified_and_any_change_to_it_is_not() {
+        let client = ClientId::generate();
+        let asking = Asking { method: "GET", target: "/v1/payments/1", region: "b", from: "a", client, at: 1_000 };
+        let (signed, signature) = secret().sign(&asking);
+        let good = headers(signed.clone());
+        assert_eq!(
+            secret().verify("GET", "/v1/payments/1", &good, 1_030).map(|(c, s)| (c, s)),
+            Some((client, signature))
+        );
+        assert!(secret().verify("GET", "/v1/payments/2", &good, 1_000).is_none(), "another path");
+        assert!(secret().verify("POST", "/v1/payments/1", &good, 1_000).is_none(), "another method");
+        assert!(secret().verify("GET", "/v1/payments/1", &good, 1_061).is_none(), "stale");
+        assert!(secret().verify("GET", "/v1/payments/1", &good, 939).is_none(), "from the future");
+        let other = RegionSecret::new("another secret, also of 32 bytes or more").unwrap();
+        assert!(other.verify("GET", "/v1/payments/1", &good, 1_000).is_none(), "another secret");
+        for (name, value) in [(CLIENT, ClientId::generate().to_string()), (FORWARDED, "c".into()), (FROM, "c".into())] {
+            let mut changed = good.clone();
+            changed.insert(name, value.parse().unwrap());
+            assert!(secret().verify("GET", "/v1/payments/1", &changed, 1_000).is_none(), "{name} changed");
+        }
+    }
+
+    #[test]
+    fn an_answer_is_believed_only_with_the_secret_and_for_its_request() {
+        let mac = secret().answer_mac("sig-1", StatusCode::OK, b"{}").finalize().into_bytes();
+        let signed = headers(vec![(SIGNATURE, hex::encode(mac))]);
+        assert!(secret().answered("sig-1", StatusCode::OK, &signed, b"{}"));
+        assert!(!secret().answered("sig-2", StatusCode::OK, &signed, b"{}"), "another request");
+        assert!(!secret().answered("sig-1", StatusCode::NOT_FOUND, &signed, b"{}"), "another status");
+        assert!(!secret().answered("sig-1", StatusCode::OK, &signed, b"{\"id\":1}"), "another body");
+        assert!(!secret().answered("sig-1", StatusCode::OK, &HeaderMap::new(), b"{}"), "unsigned");
+    }
+
+    #[test]
+    fn a_short_secret_is_refused() {
+        assert!(RegionSecret::new("short").is_err());
+        assert!(format!("{:?}", secret()).contains(".."), "never printed");
+    }
+}

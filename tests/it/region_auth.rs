@@ -1,0 +1,109 @@
+//! Regions prove who they are to each other. A URL in the key table that
+//! points at something else (here a server recording what it is sent and
+//! answering forged payments) receives no client's API key and is not
+//! believed; a forwarded read with a wrong signature or a stale time is
+//! refused with 401, and a right one is answered, signed.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::routing::get;
+use axum::{Json, Router};
+use keyfence::http::{Asking, RegionSecret};
+use keyfence::regions::RegionStore;
+use keyfence::startup::REGION_VIEW_AGE;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::app::{REGION_SECRET, TestApp, TestRail, spawn_app};
+
+type Seen = Arc<Mutex<Vec<String>>>;
+
+/// A server that records every header it is sent and answers any payment
+/// asked for as succeeded, and any listing with a forged payment.
+async fn recorder() -> (TestRail, Seen) {
+    let seen: Seen = Arc::default();
+    async fn record(seen: &Seen, headers: &HeaderMap) {
+        let mut seen = seen.lock().unwrap();
+        seen.extend(headers.iter().map(|(name, value)| format!("{name}: {}", value.to_str().unwrap_or("?"))));
+    }
+    let router = Router::new()
+        .route(
+            "/v1/payments/{id}",
+            get(|State(seen): State<Seen>, headers: HeaderMap, Path(id): Path<String>| async move {
+                record(&seen, &headers).await;
+                Json(json!({ "id": id, "status": "succeeded", "amount_minor": 1, "currency": "EUR" }))
+            }),
+        )
+        .route(
+            "/v1/payments",
+            get(|State(seen): State<Seen>, headers: HeaderMap| async move {
+                record(&seen, &headers).await;
+                Json(json!({ "data": [{ "id": uuid::Uuid::new_v4(), "end_to_end_id": "E2E-FORGED", "status": "succeeded" }] }))
+            }),
+        )
+        .with_state(seen.clone());
+    (TestRail::serving(router).await, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_in_the_key_table_gets_no_api_key_and_its_forged_answers_are_not_shown() {
+    let app = spawn_app().await;
+    let (evil, seen) = recorder().await;
+    let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    store.advertise("test-9", &evil.url).await.unwrap();
+    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+
+    let id = uuid::Uuid::new_v4();
+    let one = app.get_as(&app.api_key, &format!("/v1/payments/{id}")).await;
+    assert_eq!(one.status(), StatusCode::SERVICE_UNAVAILABLE, "the forged payment is not shown");
+    assert_eq!(one.json::<Value>().await.unwrap()["type"], "urn:keyfence:problem:region-unreachable");
+    let listed = app.get_as(&app.api_key, "/v1/payments?end_to_end_id=E2E-FORGED").await;
+    assert_eq!(listed.status(), StatusCode::SERVICE_UNAVAILABLE, "nor the forged listing");
+
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.len() > 2, "the recorder was asked: {seen:?}");
+    assert!(!seen.iter().any(|h| h.contains(&app.api_key)), "no API key was sent: {seen:?}");
+    assert!(!seen.iter().any(|h| h.starts_with("authorization")), "no credentials at all: {seen:?}");
+}
+
+/// A forwarded read as another region would send it, signed with `secret`
+/// at `at` (seconds since the epoch).
+async fn forwarded(app: &TestApp, secret: &str, at: u64, path: &str) -> reqwest::Response {
+    let client = app.client_id().await;
+    let asking = Asking { method: "GET", target: path, region: "test-1", from: "test-2", client, at };
+    let (headers, _) = RegionSecret::new(secret).unwrap().sign(&asking);
+    let mut request = app.http.get(format!("{}{path}", app.url));
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    request.send().await.unwrap()
+}
+
+#[tokio::test]
+async fn a_forwarded_read_with_a_bad_signature_or_a_stale_time_gets_401() {
+    let app = spawn_app().await;
+    let path = format!("/v1/payments/{}", uuid::Uuid::new_v4());
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+
+    let wrong = forwarded(&app, "not the deployment's secret, though long enough", now, &path).await;
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED, "a wrong signature");
+    let stale = forwarded(&app, REGION_SECRET, now - 120, &path).await;
+    assert_eq!(stale.status(), StatusCode::UNAUTHORIZED, "a stale timestamp");
+    // A client marking its own request forwarded is refused too.
+    let pretending = app
+        .http
+        .get(format!("{}{path}", app.url))
+        .bearer_auth(&app.api_key)
+        .header("keyfence-forwarded", "test-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(pretending.status(), StatusCode::UNAUTHORIZED, "a client posing as a region");
+
+    let right = forwarded(&app, REGION_SECRET, now, &path).await;
+    assert_eq!(right.status(), StatusCode::NOT_FOUND, "a region's read is answered from this ledger");
+    assert!(right.headers().contains_key("keyfence-signature"), "and its answer signed");
+}
