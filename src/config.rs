@@ -336,6 +336,10 @@ pub struct ServeSettings {
     /// Address to listen on.
     #[arg(long, env = "KEYFENCE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: std::net::SocketAddr,
+    /// Address of the admin listener: /metrics and /readyz in detail, for operators and scrapers
+    /// (keep it off the public network).
+    #[arg(long = "admin-listen", env = "KEYFENCE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+    pub admin_listen: std::net::SocketAddr,
     /// Where clients and other regions reach this region's front door (its load
     /// balancer); advertised in the key table so other regions can ask it for
     /// what only it holds. Default: http:// and the address `serve` listens on.
@@ -361,6 +365,18 @@ pub struct ServeSettings {
     #[arg(long = "max-connections", env = "KEYFENCE_MAX_CONNECTIONS", default_value_t = 1024,
           value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u32).range(1..), |n| n as usize))]
     pub max_connections: usize,
+    /// Connections served at once from one peer address; more are closed at once (behind a load
+    /// balancer every connection comes from its few addresses: raise this to max-connections).
+    #[arg(long = "max-connections-per-address", env = "KEYFENCE_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = 256,
+          value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u32).range(1..), |n| n as usize))]
+    pub max_connections_per_address: usize,
+    /// Requests one connection serves; the last is answered with `Connection: close`.
+    #[arg(long = "max-requests-per-connection", env = "KEYFENCE_MAX_REQUESTS_PER_CONNECTION", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_requests_per_connection: u32,
+    /// How long one connection lives, in milliseconds; then it is closed after its request in flight.
+    #[arg(long = "max-connection-age-ms", env = "KEYFENCE_MAX_CONNECTION_AGE_MS", default_value = "300000", value_parser = parse_millis)]
+    pub max_connection_age: Duration,
     /// How often the recovery worker looks for stale requests, in milliseconds (0: never).
     #[arg(long = "recovery-interval-ms", env = "KEYFENCE_RECOVERY_INTERVAL_MS", default_value_t = 5000)]
     pub recovery_interval_ms: u64,

@@ -185,6 +185,9 @@ struct BenchArgs {
     /// The front door to measure.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     url: String,
+    /// Its admin listener, for the CPU time serve spends (its /metrics).
+    #[arg(long = "admin-url", default_value = "http://127.0.0.1:9090")]
+    admin_url: String,
     /// Payments to send (each phase sends this many).
     #[arg(short = 'n', long, default_value_t = 1000)]
     requests: usize,
@@ -534,6 +537,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     for &concurrency in &args.concurrency {
         let plan = bench::front_door::BenchPlan {
             url: args.url.clone(),
+            admin_url: args.admin_url.clone(),
             api_key: api_key.reveal().to_owned(),
             requests: args.requests,
             concurrency,
@@ -610,9 +614,9 @@ async fn serve(settings: ServeSettings) -> anyhow::Result<ExitCode> {
         }
         Err(e) => return Err(e).context("starting the front door"),
     };
-    let addr = app.local_addr()?;
-    tracing::info!(%addr, region = %settings.engine.work.region, "keyfence serving");
-    println!("keyfence: listening on http://{addr}");
+    let (addr, admin) = (app.local_addr()?, app.admin_addr()?);
+    tracing::info!(%addr, %admin, region = %settings.engine.work.region, "keyfence serving");
+    println!("keyfence: listening on http://{addr} (admin: http://{admin})");
     app.run_until_stopped(shutdown_signal()).await?;
     tracing::info!("keyfence stopped");
     Ok(ExitCode::SUCCESS)

@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use crate::clients::{ClientStore, Directory};
 use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
-use crate::http::{AppState, Peers, RegionSecret, Throttle, router, server};
+use crate::http::{AppState, Peers, RegionSecret, Throttle, admin_router, router, server};
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
@@ -92,6 +92,8 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
 pub struct Application {
     listener: TcpListener,
     router: Router,
+    /// The operators' listener and its routes.
+    admin: (TcpListener, Router),
     engine: Arc<Engine<DynamoKeyStore>>,
     limits: server::Limits,
     /// `None`: no recovery worker in this process.
@@ -130,6 +132,7 @@ impl Application {
             clients,
             peers: Peers::new(secret),
             throttle: Throttle::new(settings.fair_use),
+            readiness: Default::default(),
             body_limit: settings.body_limit,
         };
         let listener = TcpListener::bind(settings.listen)
@@ -160,6 +163,9 @@ impl Application {
             header_read: settings.header_timeout,
             body_read: settings.body_timeout,
             max_connections: settings.max_connections,
+            per_address: settings.max_connections_per_address,
+            requests_per_connection: settings.max_requests_per_connection,
+            max_age: settings.max_connection_age,
         };
         let expiry = Some(Duration::from_millis(settings.expire_interval_ms)).filter(|d| !d.is_zero()).map(|every| {
             (
@@ -171,12 +177,28 @@ impl Application {
                 },
             )
         });
-        Ok(Self { listener, router: router(state), engine, limits, recovery_interval, expiry })
+        let admin = TcpListener::bind(settings.admin_listen)
+            .await
+            .map_err(|source| StartupError::Listen { addr: settings.admin_listen, source })?;
+        Ok(Self {
+            listener,
+            router: router(state.clone()),
+            admin: (admin, admin_router(state)),
+            engine,
+            limits,
+            recovery_interval,
+            expiry,
+        })
     }
 
     /// Where it listens (useful when bound to port 0).
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.listener.local_addr()
+    }
+
+    /// Where its admin listener (metrics, readiness in detail) listens.
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin.0.local_addr()
     }
 
     /// Serves (and runs the recovery worker, the expiry sweeper and the
@@ -195,8 +217,13 @@ impl Application {
             .recovery_interval
             .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped.clone())));
         let reaper = self.expiry.map(|(every, options)| {
-            tokio::spawn(expiry::run_until_stopped(self.engine.clone(), every, options, stopped))
+            tokio::spawn(expiry::run_until_stopped(self.engine.clone(), every, options, stopped.clone()))
         });
+        let (admin_listener, admin_router) = self.admin;
+        let mut admin_stopped = stopped;
+        let admin = tokio::spawn(server::serve(admin_listener, admin_router, self.limits, async move {
+            let _ = admin_stopped.changed().await;
+        }));
         let served = server::serve(self.listener, self.router, self.limits, async move {
             shutdown.await;
             drop(stop);
@@ -205,6 +232,7 @@ impl Application {
         for task in worker.into_iter().chain(reaper).chain([follower]) {
             let _ = task.await;
         }
+        let _ = admin.await;
         served
     }
 }

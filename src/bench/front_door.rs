@@ -32,6 +32,8 @@ use super::percentile;
 /// Where and how hard to push.
 pub struct BenchPlan {
     pub url: String,
+    /// Its admin listener (for serve's CPU time).
+    pub admin_url: String,
     pub api_key: String,
     pub requests: usize,
     pub concurrency: usize,
@@ -101,7 +103,7 @@ pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
             }));
         async move { request.send().await.map(|r| r.status().as_u16()).map_err(|e| e.to_string()) }
     };
-    let cpu = || serve_cpu_seconds(&http, &plan.url);
+    let cpu = || serve_cpu_seconds(&http, &plan.admin_url);
     let before = cpu().await;
     let mut payments = measure("payments", plan, send).await;
     let between = cpu().await;

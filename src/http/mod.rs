@@ -2,7 +2,8 @@
 //! every handler validates its input into domain types and hands the work to
 //! the engine, and every error, down to an unknown route, is problem+json.
 //! `router` is all a test needs to call it without a socket; [`server`]
-//! serves it with the limits a public port needs.
+//! serves it with the limits a public port needs. `admin_router` is the
+//! operators' listener: metrics and readiness in detail.
 
 mod extract;
 mod json;
@@ -10,6 +11,7 @@ mod keys;
 mod live;
 mod payments;
 mod peers;
+mod probes;
 mod problem;
 pub mod server;
 mod signed;
@@ -17,13 +19,12 @@ mod throttle;
 
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::StatusCode;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
 use axum::http::{HeaderName, HeaderValue, header};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
-use axum::{Json, Router};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::set_header::SetResponseHeaderLayer;
 use tower_http::trace::TraceLayer;
@@ -33,6 +34,7 @@ use crate::engine::Engine;
 use crate::keystore::DynamoKeyStore;
 
 pub use peers::Peers;
+pub use probes::Readiness;
 pub use problem::ApiError;
 pub use signed::{Asking, RegionSecret};
 pub use throttle::Throttle;
@@ -48,35 +50,11 @@ pub struct AppState {
     pub peers: peers::Peers,
     /// Each client's fair use of this instance, and the task cap.
     pub throttle: Throttle,
+    /// The public readiness answer, checked at most once a second.
+    pub readiness: probes::Readiness,
     /// Bodies over this many bytes are refused (413), as soon as their
     /// declared length says so.
     pub body_limit: usize,
-}
-
-/// Liveness, and this instance's region as the registry says (a failed
-/// region's instances are alive, and answer every request 503).
-async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
-    let region = state.engine.region();
-    let registry = state.engine.regions().current().await;
-    Json(serde_json::json!({ "status": "ok", "region": region, "region_state": registry.state_of(region).as_str() }))
-}
-
-/// Ready for traffic: the key table and the ledger answer, this region is
-/// not declared failed, and its ledger's region fence is open (a fenced
-/// ledger commits no phase). 503 with the reasons otherwise.
-async fn ready(State(state): State<AppState>) -> Response {
-    let region = state.engine.region();
-    let (registry, fence) = tokio::join!(state.engine.regions().fresh(), state.engine.ledger().region_fence());
-    let key_table = registry.as_ref().map(|_| "ok".to_owned()).unwrap_or_else(|e| e.to_string());
-    let region_state = registry.as_ref().map_or("unknown", |r| r.state_of(region).as_str());
-    let ledger = fence.as_ref().map(|_| "ok".to_owned()).unwrap_or_else(|e| e.to_string());
-    let ledger_fence = fence.as_ref().ok().map(|f| serde_json::json!({ "state": f.state(), "epoch": f.epoch }));
-    let fence_open = fence.as_ref().is_ok_and(|f| !f.failed);
-    let ready = key_table == "ok" && fence_open && region_state == "active";
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body = serde_json::json!({ "ready": ready, "region": region, "region_state": region_state,
-                                   "key_table": key_table, "ledger": ledger, "ledger_fence": ledger_fence });
-    (status, Json(body)).into_response()
 }
 
 /// Counts every answer by route and class (labels from fixed sets only).
@@ -86,7 +64,7 @@ async fn count_answers(request: Request, next: Next) -> Response {
         ("GET", Some("/v1/payments")) => "list_payments",
         (_, Some("/v1/payments/{id}")) => "get_payment",
         (_, Some("/v1/idempotency-keys/{key}")) => "get_key",
-        (_, Some("/healthz" | "/readyz" | "/metrics")) => return next.run(request).await,
+        (_, Some("/healthz" | "/readyz")) => return next.run(request).await,
         _ => "other",
     };
     let response = next.run(request).await;
@@ -114,9 +92,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/payments", axum::routing::post(payments::create).get(payments::by_reference))
         .route("/v1/payments/{id}", get(payments::show))
         .route("/v1/idempotency-keys/{key}", get(keys::show))
-        .route("/healthz", get(health))
-        .route("/readyz", get(ready))
-        .route("/metrics", get(|| async { crate::metrics::render() }))
+        .route("/healthz", get(probes::health))
+        .route("/readyz", get(probes::ready))
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(axum::middleware::from_fn_with_state(state.clone(), signed::from_a_region))
@@ -129,5 +106,18 @@ pub fn router(state: AppState) -> Router {
         // Every answer names itself (the caller's id when it sent one).
         .layer(PropagateRequestIdLayer::new(HeaderName::from_static(REQUEST_ID)))
         .layer(SetRequestIdLayer::new(HeaderName::from_static(REQUEST_ID), MakeRequestUuid))
+        .with_state(state)
+}
+
+/// The admin listener's routes: metrics and readiness in detail, for
+/// operators and scrapers only (it listens on loopback unless told).
+pub fn admin_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(|| async { crate::metrics::render() }))
+        .route("/readyz", get(probes::ready_in_detail))
+        .route("/healthz", get(probes::health))
+        .fallback(|| async { ApiError::NotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(SetResponseHeaderLayer::overriding(header::CACHE_CONTROL, HeaderValue::from_static("no-store")))
         .with_state(state)
 }

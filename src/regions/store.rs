@@ -62,6 +62,7 @@ impl RegionStore {
 
     /// The registry as it stands (an empty one if never written).
     pub async fn read(&self) -> Result<Registry, RegionsError> {
+        metrics::counter!("keyfence_registry_reads_total").increment(1);
         let out = self
             .client
             .get_item()

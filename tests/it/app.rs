@@ -87,6 +87,8 @@ impl TestRail {
 
 pub struct TestApp {
     pub url: String,
+    /// Its admin listener: /metrics, /readyz in detail.
+    pub admin_url: String,
     /// The settings the in-process service runs with (other instances copy them).
     pub settings: ServeSettings,
     pub http: reqwest::Client,
@@ -153,10 +155,14 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
             },
         },
         listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
         body_limit: 16 * 1024,
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(10),
         max_connections: 1024,
+        max_connections_per_address: 1024,
+        max_requests_per_connection: 1000,
+        max_connection_age: Duration::from_secs(300),
         public_url: None,
         local_regions: true,
         recovery_interval_ms: 0,
@@ -167,13 +173,14 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         region_secret: Some(RegionSecret::new(REGION_SECRET).unwrap()),
     };
     adjust(&mut settings);
-    let (url, stop) = start_instance(&settings).await;
+    let Served { url, admin_url, stop } = start_serving(&settings).await;
     let api_key = ApiKey::generate();
     let clients = ClientStore::new(keys.store.client().clone(), keys.store.table());
     let client = clients.add("test client", &api_key).await.unwrap();
     clients.change_accounts(client.id, &[DEBTOR.to_owned()], true).await.unwrap();
     TestApp {
         url,
+        admin_url,
         settings,
         http: reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap(),
         keys,
@@ -188,13 +195,26 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
 /// An instance of the service in this process with `settings`; it serves
 /// until the returned sender is dropped.
 pub async fn start_instance(settings: &ServeSettings) -> (String, oneshot::Sender<()>) {
+    let served = start_serving(settings).await;
+    (served.url, served.stop)
+}
+
+/// An instance serving in this process, and its admin listener.
+pub struct Served {
+    pub url: String,
+    pub admin_url: String,
+    pub stop: oneshot::Sender<()>,
+}
+
+pub async fn start_serving(settings: &ServeSettings) -> Served {
     let app = Application::build(settings).await.expect("the service starts");
     let url = format!("http://{}", app.local_addr().unwrap());
+    let admin_url = format!("http://{}", app.admin_addr().unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(app.run_until_stopped(async {
         let _ = stopped.await;
     }));
-    (url, stop)
+    Served { url, admin_url, stop }
 }
 
 /// The secret the test deployment's regions share.

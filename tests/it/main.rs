@@ -9,6 +9,7 @@ mod client;
 mod clients;
 #[cfg(feature = "failpoints")]
 mod clock_skew;
+mod connections;
 #[cfg(feature = "failpoints")]
 mod crash;
 mod declines;

@@ -23,15 +23,15 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-async fn scrape(app: &TestApp, url: &str) -> String {
-    app.http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap()
+async fn scrape(app: &TestApp, admin: &str) -> String {
+    app.http.get(format!("{admin}/metrics")).send().await.unwrap().text().await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_counters_add_up_to_the_ledger_and_the_rails() {
     let app = spawn_app().await;
     let served = ServeProcess::spawn(keyfence_command(&app, "serve")).await;
-    let url = served.url.clone();
+    let (url, admin) = (served.url.clone(), served.admin_url.clone().expect("serve has an admin listener"));
 
     // A storm of identical requests.
     let storm = payment("E2E-STORM");
@@ -49,7 +49,7 @@ async fn the_counters_add_up_to_the_ledger_and_the_rails() {
     let declined = app.try_pay_at(&url, &app.api_key, "declined-1", &payment("E2E-DECLINED")).await.unwrap();
     assert_eq!(declined.status(), StatusCode::PAYMENT_REQUIRED);
 
-    let text = scrape(&app, &url).await;
+    let text = scrape(&app, &admin).await;
     let requests =
         |answer| sample(&text, "keyfence_http_requests_total", &[("route", "create_payment"), ("answer", answer)]);
     let (applied, declines) = (app.e2.statement().await.len() as f64, app.e2.declines().await.len() as f64);
@@ -77,7 +77,7 @@ async fn the_counters_add_up_to_the_ledger_and_the_rails() {
     let client = app.client_id().await.to_string();
     assert!(!text.contains("storm-1") && !text.contains(&client), "no key or client in a label");
 
-    let ready = app.http.get(format!("{url}/readyz")).send().await.unwrap();
+    let ready = app.http.get(format!("{admin}/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), StatusCode::OK);
     let ready: Value = ready.json().await.unwrap();
     assert_eq!((ready["key_table"].as_str(), ready["ledger"].as_str()), (Some("ok"), Some("ok")));

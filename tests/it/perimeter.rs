@@ -110,7 +110,7 @@ async fn every_answer_carries_a_request_id_and_payments_are_never_cached() {
 
 /// `keyfence_client_lookups_total` for `outcome`, as /metrics shows it now.
 async fn lookups(app: &crate::app::TestApp, outcome: &str) -> u64 {
-    let text = app.http.get(format!("{}/metrics", app.url)).send().await.unwrap().text().await.unwrap();
+    let text = app.http.get(format!("{}/metrics", app.admin_url)).send().await.unwrap().text().await.unwrap();
     let line = format!("keyfence_client_lookups_total{{outcome=\"{outcome}\"}} ");
     text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0, |n| n.trim().parse().unwrap())
 }

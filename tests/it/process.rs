@@ -25,6 +25,7 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
         .env("KEYFENCE_TABLE", &keys.table)
         .env("DATABASE_URL", &app.db.url)
         .env("KEYFENCE_LISTEN", "127.0.0.1:0")
+        .env("KEYFENCE_ADMIN_LISTEN", "127.0.0.1:0")
         .env("KEYFENCE_LOCAL_REGIONS", "1")
         .env("KEYFENCE_REGION", "test-1")
         .env("KEYFENCE_REGION_SECRET", crate::app::REGION_SECRET)
@@ -54,6 +55,8 @@ impl Logs {
 pub struct ServeProcess {
     child: Child,
     pub url: String,
+    /// Its admin listener (/metrics, /readyz in detail), if it has one.
+    pub admin_url: Option<String>,
 }
 
 impl ServeProcess {
@@ -98,10 +101,14 @@ impl ServeProcess {
             .expect("keyfence serve started within 30 s")
             .expect("reading its stdout")
             .expect("keyfence printed where it listens");
-        let url = first.split_once("listening on ").expect("the listening line").1.to_owned();
+        let Some((_, listening)) = first.split_once("listening on ") else { panic!("not the listening line: {first}") };
+        let (url, admin_url) = match listening.split_once(" (admin: ") {
+            Some((url, admin)) => (url.to_owned(), Some(admin.trim_end_matches(')').to_owned())),
+            None => (listening.to_owned(), None),
+        };
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Self { child, url }
+        Self { child, url, admin_url }
     }
 
     /// Asks the process to stop (SIGTERM) and waits until it has.

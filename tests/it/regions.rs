@@ -71,7 +71,7 @@ async fn a_failed_regions_instance_takes_on_nothing_until_restored() {
     let health: Value = app.http.get(format!("{}/healthz", app.url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(health["region_state"], "failed");
     assert_eq!(app.key_items().await, 0, "nothing claimed");
-    let ready = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap();
+    let ready = app.http.get(format!("{}/readyz", app.admin_url)).send().await.unwrap();
     assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE, "a failed region's instance is not ready");
     assert_eq!(ready.json::<Value>().await.unwrap()["region_state"], "failed");
 
@@ -79,7 +79,7 @@ async fn a_failed_regions_instance_takes_on_nothing_until_restored() {
     // again, and is ready once it has.
     declare(&app, "test-1", RegionState::Active).await;
     crate::harness::eventually("ready once restored", async || {
-        app.http.get(format!("{}/readyz", app.url)).send().await.unwrap().status() == StatusCode::OK
+        app.http.get(format!("{}/readyz", app.admin_url)).send().await.unwrap().status() == StatusCode::OK
     })
     .await;
     assert_eq!(app.pay("failed-region-1", &body).await.status(), StatusCode::CREATED, "serving again");
@@ -285,16 +285,16 @@ async fn a_restore_without_the_ledger_still_opens_it_through_the_regions_instanc
     let body = payment("E2E-REOPENED");
     regions::declare(&store(&app), Some(&app.db.ledger), "test-1", RegionState::Failed, "test", "drill").await.unwrap();
     tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
-    let ready: Value = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap().json().await.unwrap();
+    let ready: Value = app.http.get(format!("{}/readyz", app.admin_url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(ready["ledger_fence"]["state"], "failed", "{ready}");
 
     regions::declare(&store(&app), None, "test-1", RegionState::Active, "test", "healed").await.unwrap();
     crate::harness::eventually("the instance opened its ledger", async || {
-        let ready = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap();
+        let ready = app.http.get(format!("{}/readyz", app.admin_url)).send().await.unwrap();
         ready.status() == StatusCode::OK
     })
     .await;
-    let ready: Value = app.http.get(format!("{}/readyz", app.url)).send().await.unwrap().json().await.unwrap();
+    let ready: Value = app.http.get(format!("{}/readyz", app.admin_url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(ready["ledger_fence"]["state"], "open", "{ready}");
     assert_eq!(app.pay("reopened-1", &body).await.status(), StatusCode::CREATED, "phases commit again");
     assert!(!app.db.ledger.region_fence().await.unwrap().failed);

@@ -11,7 +11,7 @@ use keyfence::keystore::KeyStore;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::app::{TestApp, payment, spawn_app_with, start_instance};
+use crate::app::{TestApp, payment, spawn_app_with, start_serving};
 use crate::harness::eventually;
 
 /// Attempts per key-store request in these tests (the SDK's retries included).
@@ -88,20 +88,21 @@ async fn a_key_store_that_stops_answering_is_a_503_and_the_retry_finishes_once()
 async fn a_ledger_that_cannot_be_reached_is_a_503() {
     let app = spawn_app_with(|_| {}).await;
     let (proxy, settings) = app.behind_a_proxied_ledger().await;
-    let (instance, _stop) = start_instance(&settings).await;
+    let served = start_serving(&settings).await;
+    let (instance, admin) = (served.url.clone(), served.admin_url.clone());
     let body = payment("E2E-NO-LEDGER");
 
     proxy.cut();
     let cut = app.try_pay_at(&instance, &app.api_key, "no-ledger-1", &body).await.unwrap();
     assert_unavailable(cut, "ledger unreachable").await;
     assert!(!key_exists(&app, "no-ledger-1").await, "nothing claimed");
-    let ready = app.http.get(format!("{instance}/readyz")).send().await.unwrap();
+    let ready = app.http.get(format!("{admin}/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE, "not ready without its ledger");
     let ready: Value = ready.json().await.unwrap();
     assert_eq!((ready["key_table"].as_str(), ready["ledger"].as_str() != Some("ok")), (Some("ok"), true), "{ready}");
 
     proxy.heal();
-    let ready = app.http.get(format!("{instance}/readyz")).send().await.unwrap();
+    let ready = app.http.get(format!("{admin}/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), StatusCode::OK, "ready again");
     let healed = app.try_pay_at(&instance, &app.api_key, "no-ledger-1", &body).await.unwrap();
     assert_eq!(healed.status(), StatusCode::CREATED);

@@ -1,0 +1,154 @@
+//! What anonymous callers can reach, and how long they may hold it: the
+//! public `/readyz` is cheap however often it is asked and says nothing of
+//! the stores; connections are capped per address and in age and requests,
+//! so clients trickling tiny requests cannot keep an honest one out; and a
+//! request head past the header limits is refused with 431.
+
+use std::time::Duration;
+
+use futures::future::join_all;
+use reqwest::StatusCode;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
+
+/// `keyfence_registry_reads_total`, as the admin listener shows it now.
+async fn registry_reads(app: &TestApp) -> f64 {
+    let text = app.http.get(format!("{}/metrics", app.admin_url)).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix("keyfence_registry_reads_total "))
+        .map_or(0.0, |n| n.trim().parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_public_readyz_is_checked_once_however_many_ask_and_says_only_ready() {
+    let app = spawn_app().await;
+    let many = reqwest::Client::new();
+    let before = registry_reads(&app).await;
+    let answers = join_all((0..500).map(|_| many.get(format!("{}/readyz", app.url)).send())).await;
+    let reads = registry_reads(&app).await - before;
+    assert!(answers.iter().all(|a| a.as_ref().is_ok_and(|a| a.status() == StatusCode::OK)));
+    assert!(reads <= 4.0, "500 probes made {reads} registry reads");
+
+    let public: Value = many.get(format!("{}/readyz", app.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(public, serde_json::json!({ "ready": true }), "nothing about the stores");
+    let detail: Value = many.get(format!("{}/readyz", app.admin_url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!((detail["key_table"].as_str(), detail["ledger"].as_str()), (Some("ok"), Some("ok")), "{detail}");
+    let metrics = many.get(format!("{}/metrics", app.url)).send().await.unwrap();
+    assert_eq!(metrics.status(), StatusCode::NOT_FOUND, "metrics are on the admin listener only");
+}
+
+/// A connection that asks for `/healthz` every 600 ms, reconnecting
+/// whenever it is closed, until `until`.
+async fn trickle(host: String, until: tokio::time::Instant) -> usize {
+    let mut connections = 0;
+    while tokio::time::Instant::now() < until {
+        let Ok(mut stream) = TcpStream::connect(&host).await else { continue };
+        connections += 1;
+        let mut chunk = [0_u8; 4096];
+        while tokio::time::Instant::now() < until {
+            let request = format!("GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            if stream.write_all(request.as_bytes()).await.is_err() {
+                break;
+            }
+            match tokio::time::timeout(Duration::from_secs(2), stream.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => break,
+            }
+            tokio::time::sleep(Duration::from_millis(600)).await;
+        }
+    }
+    connections
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_trickling_requests_cannot_keep_an_honest_one_out() {
+    let app = spawn_app_with(|s| {
+        s.max_connections = 4;
+        s.max_connection_age = Duration::from_millis(1500);
+    })
+    .await;
+    let host = app.url.trim_start_matches("http://").to_owned();
+    let until = tokio::time::Instant::now() + Duration::from_secs(8);
+    let hogs = join_all((0..4).map(|_| trickle(host.clone(), until)));
+    let honest = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let patient = reqwest::Client::builder().timeout(Duration::from_secs(6)).build().unwrap();
+        patient
+            .post(format!("{}/v1/payments", app.url))
+            .bearer_auth(&app.api_key)
+            .header("Idempotency-Key", "honest-1")
+            .json(&payment("E2E-HONEST"))
+            .send()
+            .await
+            .map(|r| r.status())
+    };
+    let (hogs, honest) = tokio::join!(hogs, honest);
+    assert_eq!(honest.ok(), Some(StatusCode::CREATED), "the honest client was served");
+    assert!(hogs.iter().all(|&c| c >= 2), "every hog was made to reconnect: {hogs:?}");
+    assert_eq!(app.e2.statement().await.len(), 1);
+}
+
+/// Sends `requests` on one connection; every answer's head, in order, and
+/// whether the server closed the connection after the last.
+async fn on_one_connection(app: &TestApp, requests: usize) -> (Vec<String>, bool) {
+    let host = app.url.trim_start_matches("http://");
+    let mut stream = TcpStream::connect(host).await.unwrap();
+    let mut heads = Vec::new();
+    let mut chunk = [0_u8; 4096];
+    for _ in 0..requests {
+        stream.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes()).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut chunk)).await.unwrap().unwrap();
+        heads.push(String::from_utf8_lossy(&chunk[..n]).to_lowercase());
+    }
+    let closed = matches!(tokio::time::timeout(Duration::from_secs(2), stream.read(&mut chunk)).await, Ok(Ok(0)));
+    (heads, closed)
+}
+
+#[tokio::test]
+async fn a_connection_serves_so_many_requests_then_closes() {
+    let app = spawn_app_with(|s| s.max_requests_per_connection = 3).await;
+    let (heads, closed) = on_one_connection(&app, 3).await;
+    assert!(heads.iter().all(|h| h.starts_with("http/1.1 200")), "{heads:?}");
+    assert!(!heads[1].contains("connection: close") && heads[2].contains("connection: close"), "{heads:?}");
+    assert!(closed, "closed after the third");
+}
+
+#[tokio::test]
+async fn connections_from_one_address_are_capped() {
+    let app = spawn_app_with(|s| s.max_connections_per_address = 2).await;
+    let addr: std::net::SocketAddr = app.url.trim_start_matches("http://").parse().unwrap();
+    let held = [TcpStream::connect(addr).await.unwrap(), TcpStream::connect(addr).await.unwrap()];
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let from = |source: &str| {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+        async move {
+            let mut stream = socket.connect(addr).await.unwrap();
+            let _ = stream.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes()).await;
+            let mut answer = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut answer)).await;
+            String::from_utf8_lossy(&answer).into_owned()
+        }
+    };
+    assert_eq!(from("127.0.0.1").await, "", "a third from the same address is closed unanswered");
+    assert!(from("127.0.0.2").await.starts_with("HTTP/1.1 200"), "another address is served");
+    drop(held);
+}
+
+#[tokio::test]
+async fn a_request_head_past_the_header_limits_is_refused() {
+    let app = spawn_app().await;
+    let mut request = reqwest::header::HeaderMap::new();
+    for i in 0..100 {
+        request.insert(reqwest::header::HeaderName::try_from(format!("x-padding-{i}")).unwrap(), "1".parse().unwrap());
+    }
+    let many = app.http.get(format!("{}/healthz", app.url)).headers(request).send().await.unwrap();
+    assert_eq!(many.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "100 headers");
+    let long = app.http.get(format!("{}/healthz", app.url)).header("x-padding", "a".repeat(20_000)).send().await;
+    assert_eq!(long.unwrap().status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "a 20 kB header");
+    let plain = app.http.get(format!("{}/healthz", app.url)).send().await.unwrap();
+    assert_eq!(plain.status(), StatusCode::OK, "within them, served");
+}
