@@ -302,13 +302,40 @@ enum ClientsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Revoke a client: its key is refused in every region within 5 seconds.
+    /// Revoke a client (or with --key one of its keys): refused in every region within 5 seconds.
     Revoke {
+        /// The client's id.
+        #[arg(long)]
+        id: keyfence::domain::ClientId,
+        /// Only this key (its id, as `clients keys` shows it); the client's other keys go on working.
+        #[arg(long)]
+        key: Option<String>,
+        #[command(flatten)]
+        keys: KeyStoreSettings,
+    },
+    /// Mint a new API key for a client; its keys valid until now stay valid for the grace.
+    Rotate {
+        /// The client's id.
+        #[arg(long)]
+        id: keyfence::domain::ClientId,
+        /// How long the previous keys keep working (`24h`, `30m`, `0s`).
+        #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+        grace: std::time::Duration,
+        #[command(flatten)]
+        keys: KeyStoreSettings,
+        /// Print {"client_id", "api_key", "previous_key_valid_until"}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A client's keys: id, when made, until when valid, when revoked.
+    Keys {
         /// The client's id.
         #[arg(long)]
         id: keyfence::domain::ClientId,
         #[command(flatten)]
         keys: KeyStoreSettings,
+        #[arg(long)]
+        json: bool,
     },
     /// Set a client's limits (each left as it is unless given); seen by every instance within 5 seconds.
     Limits {
@@ -409,7 +436,11 @@ async fn main() -> anyhow::Result<ExitCode> {
             done(show_profile(client_store(&keys).await.profile(client).await, client, json))
         }
         Command::Clients(ClientsCommand::List { keys, json }) => done(list_clients(&keys, json).await),
-        Command::Clients(ClientsCommand::Revoke { id, keys }) => done(revoke_client(id, &keys).await),
+        Command::Clients(ClientsCommand::Revoke { id, key, keys }) => done(revoke(id, key.as_deref(), &keys).await),
+        Command::Clients(ClientsCommand::Rotate { id, grace, keys, json }) => {
+            done(rotate(id, grace, &keys, json).await)
+        }
+        Command::Clients(ClientsCommand::Keys { id, keys, json }) => done(list_keys(id, &keys, json).await),
         Command::Maintain(args) => done(maintain(args).await),
         Command::Regions(RegionsCommand::List { keys, json, ledger }) => {
             done(list_regions(&keys, ledger.as_ref(), json).await)
@@ -808,11 +839,6 @@ async fn list_clients(keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()>
         return Ok(());
     }
     println!("{:<36}  {:<24}  {:<20}  revoked", "client", "name", "created");
-    let when = |ms: u64| {
-        keyfence::ledger::timestamp(Millis::new(ms))
-            .format(&time::format_description::well_known::Rfc3339)
-            .unwrap_or_default()
-    };
     for c in &clients {
         println!(
             "{:<36}  {:<24}  {:<20}  {}",
@@ -826,14 +852,77 @@ async fn list_clients(keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()>
     Ok(())
 }
 
-async fn revoke_client(id: keyfence::domain::ClientId, keys: &KeyStoreSettings) -> anyhow::Result<()> {
-    let revoked = client_store(keys).await.revoke(id).await?;
-    println!(
-        "client {} ({}) revoked; its key is refused in every region within {} s",
-        revoked.id,
-        revoked.name,
-        keyfence::clients::CACHE_FOR.as_secs()
-    );
+async fn revoke(id: keyfence::domain::ClientId, key: Option<&str>, keys: &KeyStoreSettings) -> anyhow::Result<()> {
+    let store = client_store(keys).await;
+    let delay = keyfence::clients::CACHE_FOR.as_secs();
+    match key {
+        Some(key) => {
+            let record = store.revoke_key(id, key).await?;
+            println!(
+                "key {key} of client {} ({}) revoked; refused in every region within {delay} s",
+                record.id, record.name
+            );
+        }
+        None => {
+            let record = store.revoke(id).await?;
+            println!(
+                "client {} ({}) revoked; its keys are refused in every region within {delay} s",
+                record.id, record.name
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Milliseconds since the epoch, as RFC 3339.
+fn when(ms: u64) -> String {
+    keyfence::ledger::timestamp(Millis::new(ms))
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+async fn rotate(
+    id: keyfence::domain::ClientId,
+    grace: std::time::Duration,
+    keys: &KeyStoreSettings,
+    json: bool,
+) -> anyhow::Result<()> {
+    let rotated = client_store(keys).await.rotate(id, grace).await?;
+    if json {
+        let body = serde_json::json!({
+            "client_id": rotated.client_id.to_string(),
+            "api_key": rotated.api_key.reveal(),
+            "previous_key_valid_until": rotated.previous_key_valid_until.map(when),
+        });
+        println!("{body}");
+        return Ok(());
+    }
+    println!("client {id}: new api key (shown only now): {}", rotated.api_key.reveal());
+    match rotated.previous_key_valid_until {
+        Some(until) => println!("the previous key(s) keep working until {}", when(until)),
+        None => println!("no previous key was valid"),
+    }
+    Ok(())
+}
+
+async fn list_keys(id: keyfence::domain::ClientId, keys: &KeyStoreSettings, json: bool) -> anyhow::Result<()> {
+    let (record, _) = client_store(keys).await.record(id).await?.ok_or(keyfence::clients::ClientsError::Unknown(id))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&record.keys)?);
+        return Ok(());
+    }
+    println!("{:<12}  {:<20}  {:<20}  revoked", "key", "created", "valid until");
+    for key in &record.keys {
+        let until = key.valid_until.map(when).unwrap_or_else(|| "-".into());
+        println!(
+            "{:<12}  {:<20}  {:<20}  {}",
+            key.key_id,
+            when(key.created_at),
+            until,
+            key.revoked_at.map(when).unwrap_or_default()
+        );
+    }
+    println!("{} key(s); client {}", record.keys.len(), if record.revoked_at.is_some() { "revoked" } else { "active" });
     Ok(())
 }
 
@@ -866,6 +955,7 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                 "version": done.ledger.version,
             },
             "clients_copied": done.clients_copied,
+            "clients_moved": done.clients_moved,
         });
         println!("{report}");
     } else {
@@ -877,6 +967,9 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
             done.ledger.applied.len(),
             done.ledger.version.map_or_else(|| "none".to_owned(), |v| v.to_string()),
         );
+        if done.clients_moved > 0 {
+            println!("{} client(s) moved to the key table's client records", done.clients_moved);
+        }
         if done.clients_copied > 0 {
             println!("{} client(s) of this ledger are in the key table now (clients are global)", done.clients_copied);
         }

@@ -48,6 +48,8 @@ pub struct Migrated {
     /// Clients found in the ledger (from before clients were global), now
     /// in the key table.
     pub clients_copied: usize,
+    /// Clients moved from the key table's older layout into their records.
+    pub clients_moved: usize,
 }
 
 /// Creates the key table if missing and brings the ledger schema up to date.
@@ -58,12 +60,13 @@ pub async fn migrate(keys: &KeyStoreSettings, ledger: &LedgerSettings) -> Result
     let (regional, ledger) = Ledger::migrate(ledger).await?;
     // Clients used to live in each ledger; they are global now.
     let directory = ClientStore::new(client, keys.table.clone());
+    let clients_moved = directory.migrate_legacy().await?;
     let mut clients_copied = 0;
     for (record, digest) in regional.legacy_clients().await? {
         directory.put(record, &digest).await?;
         clients_copied += 1;
     }
-    Ok(Migrated { table, ledger, clients_copied })
+    Ok(Migrated { table, ledger, clients_copied, clients_moved })
 }
 
 /// The engine over the configured stores and rails.

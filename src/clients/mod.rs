@@ -1,13 +1,17 @@
 //! API clients, global: a client created once is known in every region,
 //! because its record is a control item of the key table that every region
-//! reads (`control#client#{sha256 of the API key}`; only the digest is
-//! stored). Each instance caches what it looked up for [`CACHE_FOR`], so a
-//! request costs no store read once its key is known, and a revoked client
-//! is refused everywhere within that delay. Made-up keys cost little: one
-//! not shaped like a keyfence key is refused unread, and well-formed unknown
+//! reads ([`store`]; of its keys only digests are stored). A presented key
+//! is looked up by its digest's pointer, and admitted if its client's
+//! record holds it, valid ([`keys`]), and the client is not revoked. Each
+//! instance caches what it looked up for [`CACHE_FOR`], so a request costs
+//! no store read once its key is known, and a revoked client or key is
+//! refused everywhere within that delay. Made-up keys cost little: one not
+//! shaped like a keyfence key is refused unread, and well-formed unknown
 //! ones are cached apart from known ones (so they evict none), one read per
 //! digest and delay however many ask.
 
+mod keys;
+mod legacy;
 mod profile;
 mod store;
 
@@ -20,9 +24,17 @@ use tokio::time::Instant;
 
 use crate::domain::{ApiKey, ClientId};
 
+pub use keys::{KeyRecord, Rotated};
 pub use profile::{FairUse, Limits, Profile, Refusal};
-use store::store;
 pub use store::{ClientStore, ClientsError};
+
+use crate::domain::Millis;
+
+/// Partition-key prefixes of the items only an operator's CLI writes
+/// (client records, key pointers, and the older layout's client and
+/// profile items): the serving role is denied writing them
+/// (`infra/key-table.cfn.yaml`).
+pub const OPERATOR_ONLY: [&str; 3] = [store::RECORD_SPACE, legacy::CLIENT, legacy::PROFILE];
 
 /// How long a looked-up key is trusted: the revocation delay.
 pub const CACHE_FOR: Duration = Duration::from_secs(5);
@@ -40,9 +52,14 @@ pub struct ClientRecord {
     pub name: String,
     /// Milliseconds since the epoch.
     pub created_at: u64,
-    /// Set once revoked: the client's key is refused from then on.
+    /// Set once revoked: every key of the client is refused from then on.
     pub revoked_at: Option<u64>,
+    /// Its keys, oldest first.
+    pub keys: Vec<KeyRecord>,
 }
+
+/// A client's record and profile, as cached.
+type Stored = Option<(ClientRecord, Arc<Profile>)>;
 
 /// The clients, as this instance sees them. Known keys and unknown ones
 /// are cached apart, so a flood of made-up keys evicts no legitimate one;
@@ -56,8 +73,8 @@ pub struct Directory {
     /// The last lookup of every other digest (and, while a lookup runs, the
     /// place its concurrent twins wait on).
     unknown: Arc<Cache<String, (Instant, Option<ClientId>)>>,
-    /// Profiles looked up, and when.
-    profiles: Arc<Cache<ClientId, (Instant, Arc<Profile>)>>,
+    /// Records and profiles looked up, and when.
+    records: Arc<Cache<ClientId, (Instant, Arc<Stored>)>>,
 }
 
 impl std::fmt::Debug for Directory {
@@ -72,7 +89,7 @@ impl Directory {
             store,
             known: Arc::new(Cache::new(KNOWN_ENTRIES)),
             unknown: Arc::new(Cache::new(UNKNOWN_ENTRIES)),
-            profiles: Arc::new(Cache::new(KNOWN_ENTRIES)),
+            records: Arc::new(Cache::new(KNOWN_ENTRIES)),
         }
     }
 
@@ -80,34 +97,57 @@ impl Directory {
         &self.store
     }
 
-    /// The active client a presented key belongs to, if any.
+    /// The active client a presented key lets in, if any.
     pub async fn find(&self, key: &ApiKey) -> Result<Option<ClientId>, ClientsError> {
         if !key.is_well_formed() {
             return Ok(None);
         }
         let digest = key.digest();
-        if let Some((_, client)) = self.known.get(&digest).filter(|(at, _)| at.elapsed() < CACHE_FOR) {
-            return Ok(Some(client));
+        let (owner, looked_up) = match self.known.get(&digest).filter(|(at, _)| at.elapsed() < CACHE_FOR) {
+            Some((_, client)) => (Some(client), false),
+            None => {
+                let owner = fresh_or_load(&self.unknown, &digest, async || {
+                    let owner = self.store.owner_of(&digest).await?;
+                    let outcome = if owner.is_some() { "found" } else { "unknown" };
+                    metrics::counter!("keyfence_client_lookups_total", "outcome" => outcome).increment(1);
+                    Ok(owner)
+                })
+                .await?;
+                if let Some(client) = owner {
+                    self.known.insert(digest.clone(), (Instant::now(), client));
+                    self.unknown.remove(&digest);
+                }
+                (owner, true)
+            }
+        };
+        let Some(client) = owner else { return Ok(None) };
+        // The pointer only names the client; its record says whether the
+        // key is one of its valid keys. A key just looked up that the
+        // cached record lacks may be newer than it (just rotated in): the
+        // record is read again, at most once a digest per cache delay.
+        let admits =
+            |stored: &Stored| stored.as_ref().is_some_and(|(record, _)| record.admits(&digest, Millis::now().get()));
+        let mut admitted = admits(&*self.stored(client).await?);
+        if !admitted && looked_up {
+            self.records.remove(&client);
+            admitted = admits(&*self.stored(client).await?);
         }
-        let found = fresh_or_load(&self.unknown, &digest, async || {
-            let found = self.store.by_digest(&digest).await?.filter(|c| c.revoked_at.is_none()).map(|c| c.id);
-            let outcome = if found.is_some() { "found" } else { "unknown" };
-            metrics::counter!("keyfence_client_lookups_total", "outcome" => outcome).increment(1);
-            Ok(found)
-        })
-        .await?;
-        if let Some(client) = found {
-            self.known.insert(digest.clone(), (Instant::now(), client));
-            self.unknown.remove(&digest);
-        }
-        Ok(found)
+        Ok(admitted.then_some(client))
     }
 
     /// Client `id`'s profile, as of at most [`CACHE_FOR`] ago (a change
     /// made with the CLI reaches every instance within that delay);
-    /// concurrent lookups make one read.
+    /// concurrent lookups make one read. An unknown client's is empty.
     pub async fn profile(&self, id: ClientId) -> Result<Arc<Profile>, ClientsError> {
-        fresh_or_load(&self.profiles, &id, async || Ok(Arc::new(self.store.profile(id).await?))).await
+        Ok(self.stored(id).await?.as_ref().as_ref().map(|(_, profile)| profile.clone()).unwrap_or_default())
+    }
+
+    async fn stored(&self, id: ClientId) -> Result<Arc<Stored>, ClientsError> {
+        fresh_or_load(&self.records, &id, async || {
+            let stored = self.store.record(id).await?.map(|(record, profile)| (record, Arc::new(profile)));
+            Ok(Arc::new(stored))
+        })
+        .await
     }
 }
 
@@ -138,6 +178,20 @@ where
             let value = load().await?;
             let _ = guard.insert((Instant::now(), value.clone()));
             Ok(value)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OPERATOR_ONLY;
+
+    #[test]
+    fn the_serving_role_is_denied_writing_every_operator_only_item() {
+        let template = include_str!("../../infra/key-table.cfn.yaml");
+        let denied = template.split("NeverWriteClientsKeysOrAccounts").nth(1).expect("the serving role's deny");
+        for prefix in OPERATOR_ONLY {
+            assert!(denied.contains(&format!("\"{prefix}*\"")), "{prefix} is not denied to serve");
         }
     }
 }

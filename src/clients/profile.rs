@@ -1,6 +1,6 @@
 //! A client's profile: the debtor accounts it holds and the limits it pays
-//! within, one control item per client (`control#profile#{client id}`),
-//! global like the client itself. Accounts are kept in their normal form
+//! within, kept in the client's record (global like the client itself).
+//! Accounts are kept in their normal form
 //! ([`crate::domain::normal_account`]) as a string set, so adding and
 //! removing are single atomic updates; limits absent mean none (and its own
 //! fair use absent, the instance's defaults).
@@ -10,10 +10,8 @@ use std::collections::{BTreeSet, HashMap};
 use aws_sdk_dynamodb::types::AttributeValue;
 use serde::Serialize;
 
-use super::{ClientStore, ClientsError, store};
+use super::store::{ClientStore, ClientsError, number, record_pk, store};
 use crate::domain::{ClientId, PaymentRequest};
-
-const PREFIX: &str = "control#profile#";
 
 /// What a client may pay from, and within which limits.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -83,39 +81,30 @@ pub struct Limits {
 }
 
 impl ClientStore {
-    /// The profile of client `id` (empty if none was ever written).
+    /// The profile of client `id` (empty if it has none, or is unknown).
     pub async fn profile(&self, id: ClientId) -> Result<Profile, ClientsError> {
-        let out = self
-            .client()
-            .get_item()
-            .table_name(self.table())
-            .key("pk", AttributeValue::S(format!("{PREFIX}{id}")))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(store)?;
-        Ok(out.item().map(decode).transpose()?.unwrap_or_default())
+        Ok(self.record(id).await?.map(|(_, profile)| profile).unwrap_or_default())
     }
 
     /// Adds (or with `add` false, removes) accounts, in normal form.
     pub async fn change_accounts(&self, id: ClientId, accounts: &[String], add: bool) -> Result<Profile, ClientsError> {
-        self.require(id).await?;
         if accounts.is_empty() {
-            return self.profile(id).await;
+            return match self.record(id).await? {
+                Some((_, profile)) => Ok(profile),
+                None => Err(ClientsError::Unknown(id)),
+            };
         }
         let verb = if add { "ADD" } else { "DELETE" };
-        self.update(id, &format!("SET kind = :kind, client_id = :id {verb} accounts :accounts"), |values| {
-            values.insert(":accounts".into(), AttributeValue::Ss(accounts.to_vec()));
-        })
-        .await
+        let mut values = HashMap::new();
+        values.insert(":accounts".to_owned(), AttributeValue::Ss(accounts.to_vec()));
+        self.update(id, &format!("{verb} accounts :accounts"), values).await
     }
 
     /// Sets the limits given, leaving the others as they are.
     pub async fn set_limits(&self, id: ClientId, limits: &Limits) -> Result<Profile, ClientsError> {
-        self.require(id).await?;
         let mut values = HashMap::new();
         if let Some(currencies) = &limits.currencies {
-            values.insert("currencies", AttributeValue::Ss(currencies.iter().cloned().collect()));
+            values.insert(":currencies".to_owned(), AttributeValue::Ss(currencies.iter().cloned().collect()));
         }
         let numbers = [
             ("max_amount_minor", limits.max_amount_minor),
@@ -125,51 +114,48 @@ impl ClientStore {
         ];
         for (name, number) in numbers {
             if let Some(number) = number {
-                values.insert(name, AttributeValue::N(number.to_string()));
+                values.insert(format!(":{name}"), AttributeValue::N(number.to_string()));
             }
         }
-        let sets: Vec<String> = ["kind = :kind".to_owned(), "client_id = :id".to_owned()]
-            .into_iter()
-            .chain(values.keys().map(|name| format!("{name} = :{name}")))
-            .collect();
-        self.update(id, &format!("SET {}", sets.join(", ")), |all| {
-            all.extend(values.into_iter().map(|(name, value)| (format!(":{name}"), value)));
-        })
-        .await
+        if values.is_empty() {
+            return match self.record(id).await? {
+                Some((_, profile)) => Ok(profile),
+                None => Err(ClientsError::Unknown(id)),
+            };
+        }
+        let sets: Vec<String> = values.keys().map(|value| format!("{} = {value}", &value[1..])).collect();
+        self.update(id, &format!("SET {}", sets.join(", ")), values).await
     }
 
+    /// Changes client `id`'s record (which must exist) by `expression`.
     async fn update(
         &self,
         id: ClientId,
         expression: &str,
-        values: impl FnOnce(&mut HashMap<String, AttributeValue>),
+        values: HashMap<String, AttributeValue>,
     ) -> Result<Profile, ClientsError> {
-        let mut all = HashMap::from([
-            (":kind".to_owned(), AttributeValue::S("profile".into())),
-            (":id".to_owned(), AttributeValue::S(id.to_string())),
-        ]);
-        values(&mut all);
         let out = self
             .client()
             .update_item()
             .table_name(self.table())
-            .key("pk", AttributeValue::S(format!("{PREFIX}{id}")))
+            .key("pk", AttributeValue::S(record_pk(id)))
             .update_expression(expression)
-            .set_expression_attribute_values(Some(all))
+            .condition_expression("attribute_exists(pk)")
+            .set_expression_attribute_values(Some(values))
             .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew)
             .send()
-            .await
-            .map_err(store)?;
-        Ok(out.attributes().map(decode).transpose()?.unwrap_or_default())
-    }
-
-    /// Refuses a change for a client that does not exist.
-    async fn require(&self, id: ClientId) -> Result<(), ClientsError> {
-        if self.list().await?.iter().any(|c| c.id == id) { Ok(()) } else { Err(ClientsError::Unknown(id)) }
+            .await;
+        match out {
+            Ok(out) => Ok(out.attributes().map(decode).transpose()?.unwrap_or_default()),
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
+                Err(ClientsError::Unknown(id))
+            }
+            Err(e) => Err(store(e)),
+        }
     }
 }
 
-fn decode(item: &HashMap<String, AttributeValue>) -> Result<Profile, ClientsError> {
+pub(super) fn decode(item: &HashMap<String, AttributeValue>) -> Result<Profile, ClientsError> {
     let set = |name: &str| match item.get(name) {
         None => Ok(None),
         Some(AttributeValue::Ss(values)) => Ok(Some(values.iter().cloned().collect::<BTreeSet<_>>())),
@@ -185,12 +171,4 @@ fn decode(item: &HashMap<String, AttributeValue>) -> Result<Profile, ClientsErro
             in_flight: number(item, "in_flight")?,
         },
     })
-}
-
-fn number<T: std::str::FromStr>(item: &HashMap<String, AttributeValue>, name: &str) -> Result<Option<T>, ClientsError> {
-    match item.get(name) {
-        None => Ok(None),
-        Some(AttributeValue::N(n)) => n.parse().map(Some).map_err(|_| ClientsError::Malformed(name.to_owned())),
-        Some(_) => Err(ClientsError::Malformed(name.to_owned())),
-    }
 }

@@ -1,17 +1,36 @@
-//! `ClientStore`: client records as control items of the key table. Adding
-//! is a conditional put (a key digest is registered once); listing and
-//! revoking are operator commands that scan for the records.
+//! `ClientStore`: clients as control items of the key table. Each client
+//! is one record, `control#clients#record#{id}`: its name, when it was
+//! created and revoked, its keys (by digest, each with its own times), its
+//! accounts and limits. Each key also has a pointer,
+//! `control#clients#key#{digest}`, naming the client: a presented key is
+//! one read from its client's id, and the record says whether it is
+//! valid. The pointer is only a claim on the digest (written first, on the
+//! condition that it is new); a key exists once the record takes it, in a
+//! write conditioned on the record existing, unrevoked and unchanged since
+//! it was read. A pointer naming a client whose record does not hold its
+//! key (left by a crash between the two writes, or written by anyone
+//! else) lets nobody in. No transactions: the table may be a multi-Region
+//! strongly consistent one, which has none. Records are listed through the
+//! table's index (partition `clients`, in order of creation), and every
+//! change reads and writes the one record: nothing scans the table.
 
 use std::collections::HashMap;
 
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::error::DisplayErrorContext;
-use aws_sdk_dynamodb::types::AttributeValue;
+use aws_sdk_dynamodb::types::{AttributeValue, KeysAndAttributes};
 
-use super::ClientRecord;
+use super::{ClientRecord, KeyRecord};
 use crate::domain::{ApiKey, ClientId, Millis};
+use crate::keystore::{INDEX_PARTITION, INDEX_SORT, INFLIGHT_INDEX};
 
-const PREFIX: &str = "control#client#";
+/// Where every client item of this layout lives.
+pub(super) const RECORD_SPACE: &str = "control#clients#";
+const RECORD: &str = "control#clients#record#";
+const POINTER: &str = "control#clients#key#";
+
+/// The index partition every client record is listed under.
+const LISTED: &str = "clients";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientsError {
@@ -21,9 +40,15 @@ pub enum ClientsError {
     Malformed(String),
     #[error("no client {0}")]
     Unknown(ClientId),
+    #[error("client {0} is revoked")]
+    Revoked(ClientId),
+    #[error("client {0} has no key {1}")]
+    UnknownKey(ClientId, String),
+    #[error("client {0} was changed by someone else meanwhile; try again")]
+    Contended(ClientId),
 }
 
-type Attrs = HashMap<String, AttributeValue>;
+pub(super) type Attrs = HashMap<String, AttributeValue>;
 
 #[derive(Clone, Debug)]
 pub struct ClientStore {
@@ -44,30 +69,70 @@ impl ClientStore {
         &self.table
     }
 
-    /// Registers a new client under the digest of its (new) API key.
+    /// Registers a new client holding the (new) API key `key`.
     pub async fn add(&self, name: &str, key: &ApiKey) -> Result<ClientRecord, ClientsError> {
+        let now = Millis::now().get();
         let record = ClientRecord {
             id: ClientId::generate(),
             name: name.to_owned(),
-            created_at: Millis::now().get(),
+            created_at: now,
             revoked_at: None,
+            keys: vec![KeyRecord::new(key.digest(), now)],
         };
-        self.put(record, &key.digest()).await
+        self.create(&record).await?;
+        Ok(record)
     }
 
-    /// Registers a client that already exists elsewhere (moved from a
-    /// ledger), under its id and the digest of its key; a no-op if there.
-    pub async fn put(&self, record: ClientRecord, digest: &str) -> Result<ClientRecord, ClientsError> {
+    /// Registers a client that already exists elsewhere (an older layout,
+    /// a ledger), under its id, holding the key with `digest`; a no-op if
+    /// that key is registered already.
+    pub async fn put(&self, mut record: ClientRecord, digest: &str) -> Result<ClientRecord, ClientsError> {
+        if let Some(existing) = self.by_digest(digest).await? {
+            return Ok(existing);
+        }
+        record.keys = vec![KeyRecord::new(digest.to_owned(), record.created_at)];
+        match self.create(&record).await {
+            Ok(()) => Ok(record),
+            // Put there meanwhile, by another migrate.
+            Err(ClientsError::Contended(_)) => {
+                self.by_digest(digest).await?.ok_or_else(|| ClientsError::Malformed("vanished while added".into()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes the pointers of a new record's keys, then the record.
+    async fn create(&self, record: &ClientRecord) -> Result<(), ClientsError> {
         let mut item: Attrs = HashMap::from([
-            ("pk".to_owned(), AttributeValue::S(format!("{PREFIX}{digest}"))),
-            ("kind".to_owned(), AttributeValue::S("client".into())),
-            ("client_id".to_owned(), AttributeValue::S(record.id.to_string())),
-            ("name".to_owned(), AttributeValue::S(record.name.clone())),
-            ("created_at".to_owned(), AttributeValue::N(record.created_at.to_string())),
+            ("pk".to_owned(), s(record_pk(record.id))),
+            ("kind".to_owned(), s("client")),
+            ("client_id".to_owned(), s(record.id.to_string())),
+            ("name".to_owned(), s(&record.name)),
+            ("created_at".to_owned(), n(record.created_at)),
+            ("version".to_owned(), n(0)),
+            (
+                "keys".to_owned(),
+                AttributeValue::M(record.keys.iter().map(|k| (k.digest.clone(), k.encode())).collect()),
+            ),
+            (INDEX_PARTITION.to_owned(), s(LISTED)),
+            (INDEX_SORT.to_owned(), n(record.created_at)),
         ]);
         if let Some(at) = record.revoked_at {
-            item.insert("revoked_at".to_owned(), AttributeValue::N(at.to_string()));
+            item.insert("revoked_at".to_owned(), n(at));
         }
+        for key in &record.keys {
+            match self.put_new(record.id, pointer(record.id, &key.digest)).await {
+                // Claimed for this client before a crash: go on.
+                Err(ClientsError::Contended(_)) if self.owner_of(&key.digest).await? == Some(record.id) => {}
+                claimed => claimed?,
+            }
+        }
+        self.put_new(record.id, item).await
+    }
+
+    /// Puts `item` on the condition that nothing is there yet (else
+    /// `Contended`).
+    pub(super) async fn put_new(&self, id: ClientId, item: Attrs) -> Result<(), ClientsError> {
         let put = self
             .client
             .put_item()
@@ -77,101 +142,191 @@ impl ClientStore {
             .send()
             .await;
         match put {
-            Ok(_) => Ok(record),
+            Ok(_) => Ok(()),
             Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
-                self.by_digest(digest).await?.ok_or_else(|| ClientsError::Malformed("vanished while added".into()))
+                Err(ClientsError::Contended(id))
             }
             Err(e) => Err(store(e)),
         }
     }
 
-    /// The record registered under a key digest, revoked or not.
+    /// The client the key with `digest` was minted for, whatever its state.
     pub async fn by_digest(&self, digest: &str) -> Result<Option<ClientRecord>, ClientsError> {
+        match self.owner_of(digest).await? {
+            Some(id) => Ok(self.record(id).await?.map(|(record, _)| record)),
+            None => Ok(None),
+        }
+    }
+
+    /// The id the pointer of `digest` names, if there is one.
+    pub async fn owner_of(&self, digest: &str) -> Result<Option<ClientId>, ClientsError> {
         let out = self
             .client
             .get_item()
             .table_name(&self.table)
-            .key("pk", AttributeValue::S(format!("{PREFIX}{digest}")))
+            .key("pk", s(pointer_pk(digest)))
             .consistent_read(true)
             .send()
             .await
             .map_err(store)?;
-        out.item().map(decode).transpose()
+        out.item().map(|item| text(item, "client_id")?.parse().map_err(|_| malformed("client_id"))).transpose()
     }
 
-    /// Every client, oldest first.
-    pub async fn list(&self) -> Result<Vec<ClientRecord>, ClientsError> {
-        Ok(self.records().await?.into_iter().map(|(_, record)| record).collect())
-    }
-
-    /// Revokes client `id`: its key is refused everywhere once caches age out.
-    pub async fn revoke(&self, id: ClientId) -> Result<ClientRecord, ClientsError> {
-        let (pk, mut record) =
-            self.records().await?.into_iter().find(|(_, r)| r.id == id).ok_or(ClientsError::Unknown(id))?;
-        if record.revoked_at.is_some() {
-            return Ok(record);
-        }
-        let at = Millis::now().get();
-        self.client
-            .update_item()
+    /// Client `id`'s record and profile, if it exists.
+    pub async fn record(&self, id: ClientId) -> Result<Option<(ClientRecord, super::Profile)>, ClientsError> {
+        let out = self
+            .client
+            .get_item()
             .table_name(&self.table)
-            .key("pk", AttributeValue::S(pk))
-            .update_expression("SET revoked_at = if_not_exists(revoked_at, :at)")
-            .expression_attribute_values(":at", AttributeValue::N(at.to_string()))
+            .key("pk", s(record_pk(id)))
+            .consistent_read(true)
             .send()
             .await
             .map_err(store)?;
-        record.revoked_at = Some(at);
-        Ok(record)
+        out.item().map(|item| Ok((decode(item)?, super::profile::decode(item)?))).transpose()
     }
 
-    /// Every client record with its partition key, oldest first.
-    async fn records(&self) -> Result<Vec<(String, ClientRecord)>, ClientsError> {
-        let mut records = Vec::new();
+    /// Every client, oldest first: the index's `clients` partition, then
+    /// the records it names (100 a read).
+    pub async fn list(&self) -> Result<Vec<ClientRecord>, ClientsError> {
+        let mut ids = Vec::new();
         let mut start = None;
         loop {
             let page = self
                 .client
-                .scan()
+                .query()
                 .table_name(&self.table)
-                .filter_expression("begins_with(pk, :prefix)")
-                .expression_attribute_values(":prefix", AttributeValue::S(PREFIX.into()))
+                .index_name(INFLIGHT_INDEX)
+                .key_condition_expression("#partition = :listed")
+                .expression_attribute_names("#partition", INDEX_PARTITION)
+                .expression_attribute_values(":listed", s(LISTED))
                 .set_exclusive_start_key(start)
-                .consistent_read(true)
                 .send()
                 .await
                 .map_err(store)?;
-            for item in page.items() {
-                let pk = item.get("pk").and_then(|v| v.as_s().ok()).cloned().unwrap_or_default();
-                records.push((pk, decode(item)?));
+            for entry in page.items() {
+                ids.push(text(entry, "client_id")?.parse::<ClientId>().map_err(|_| malformed("client_id"))?);
             }
             start = page.last_evaluated_key().cloned();
             if start.is_none() {
-                records.sort_by_key(|(_, r)| r.created_at);
-                return Ok(records);
+                break;
             }
         }
+        let mut records = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(100) {
+            records.extend(self.records(chunk).await?);
+        }
+        records.sort_by_key(|r| (r.created_at, r.id));
+        Ok(records)
     }
+
+    /// The records of `ids` (at most 100), in one batch (and its retries).
+    async fn records(&self, ids: &[ClientId]) -> Result<Vec<ClientRecord>, ClientsError> {
+        let keys = ids.iter().map(|id| HashMap::from([("pk".to_owned(), s(record_pk(*id)))])).collect();
+        let mut wanted =
+            Some(KeysAndAttributes::builder().set_keys(Some(keys)).consistent_read(true).build().map_err(store)?);
+        let mut found = Vec::new();
+        while let Some(batch) = wanted.take() {
+            let out = self.client.batch_get_item().request_items(&self.table, batch).send().await.map_err(store)?;
+            for item in out.responses().and_then(|r| r.get(&self.table)).into_iter().flatten() {
+                found.push(decode(item)?);
+            }
+            wanted = out.unprocessed_keys().and_then(|u| u.get(&self.table)).cloned();
+        }
+        Ok(found)
+    }
+
+    /// Revokes client `id`: every key of it is refused everywhere once
+    /// caches age out. One write.
+    pub async fn revoke(&self, id: ClientId) -> Result<ClientRecord, ClientsError> {
+        let out = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(record_pk(id)))
+            .update_expression("SET revoked_at = if_not_exists(revoked_at, :at)")
+            .condition_expression("attribute_exists(pk)")
+            .expression_attribute_values(":at", n(Millis::now().get()))
+            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew)
+            .send()
+            .await;
+        match out {
+            Ok(out) => out.attributes().map(decode).transpose()?.ok_or(ClientsError::Unknown(id)),
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
+                Err(ClientsError::Unknown(id))
+            }
+            Err(e) => Err(store(e)),
+        }
+    }
+}
+
+pub(super) fn record_pk(id: ClientId) -> String {
+    format!("{RECORD}{id}")
+}
+
+pub(super) fn pointer_pk(digest: &str) -> String {
+    format!("{POINTER}{digest}")
+}
+
+/// The pointer item of a key of client `id`.
+pub(super) fn pointer(id: ClientId, digest: &str) -> Attrs {
+    HashMap::from([
+        ("pk".to_owned(), s(pointer_pk(digest))),
+        ("kind".to_owned(), s("api_key")),
+        ("client_id".to_owned(), s(id.to_string())),
+    ])
 }
 
 pub(super) fn store(e: impl std::error::Error + 'static) -> ClientsError {
     ClientsError::Store(DisplayErrorContext(&e).to_string())
 }
 
-fn decode(item: &Attrs) -> Result<ClientRecord, ClientsError> {
-    let text = |name: &str| match item.get(name) {
-        Some(AttributeValue::S(s)) => Ok(s.clone()),
-        _ => Err(ClientsError::Malformed(name.to_owned())),
-    };
-    let number = |name: &str| match item.get(name) {
-        Some(AttributeValue::N(n)) => n.parse().map(Some).map_err(|_| ClientsError::Malformed(name.to_owned())),
+pub(super) fn s(value: impl Into<String>) -> AttributeValue {
+    AttributeValue::S(value.into())
+}
+
+pub(super) fn n(value: u64) -> AttributeValue {
+    AttributeValue::N(value.to_string())
+}
+
+fn malformed(name: &str) -> ClientsError {
+    ClientsError::Malformed(name.to_owned())
+}
+
+fn text<'a>(item: &'a Attrs, name: &str) -> Result<&'a str, ClientsError> {
+    match item.get(name) {
+        Some(AttributeValue::S(value)) => Ok(value),
+        _ => Err(malformed(name)),
+    }
+}
+
+pub(super) fn number<T: std::str::FromStr>(item: &Attrs, name: &str) -> Result<Option<T>, ClientsError> {
+    match item.get(name) {
+        Some(AttributeValue::N(value)) => value.parse().map(Some).map_err(|_| malformed(name)),
         None => Ok(None),
-        _ => Err(ClientsError::Malformed(name.to_owned())),
+        _ => Err(malformed(name)),
+    }
+}
+
+/// The version a record was read at (for conditional changes).
+pub(super) fn version(item: &Attrs) -> Result<u64, ClientsError> {
+    Ok(number(item, "version")?.unwrap_or(0))
+}
+
+pub(super) fn decode(item: &Attrs) -> Result<ClientRecord, ClientsError> {
+    let mut keys = match item.get("keys") {
+        Some(AttributeValue::M(keys)) => {
+            keys.iter().map(|(digest, key)| KeyRecord::decode(digest, key)).collect::<Result<Vec<_>, _>>()?
+        }
+        None => Vec::new(),
+        _ => return Err(malformed("keys")),
     };
+    keys.sort_by(|a, b| (a.created_at, &a.digest).cmp(&(b.created_at, &b.digest)));
     Ok(ClientRecord {
-        id: text("client_id")?.parse().map_err(|_| ClientsError::Malformed("client_id".into()))?,
-        name: text("name")?,
-        created_at: number("created_at")?.unwrap_or_default(),
-        revoked_at: number("revoked_at")?,
+        id: text(item, "client_id")?.parse().map_err(|_| malformed("client_id"))?,
+        name: text(item, "name")?.to_owned(),
+        created_at: number(item, "created_at")?.unwrap_or_default(),
+        revoked_at: number(item, "revoked_at")?,
+        keys,
     })
 }

@@ -27,6 +27,7 @@ use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse
 pub use dynamo::{DynamoKeyStore, connect};
 pub use error::KeyStoreError;
 pub use handoff::Handoff;
+pub use item::attr::{INFLIGHT as INDEX_PARTITION, LEASE_UNTIL as INDEX_SORT};
 pub use item::{CONTROL_PREFIX, INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};
 pub use memory::MemoryKeyStore;
 pub use table::{INFLIGHT_INDEX, TableChange, delete_table, ensure_table};

@@ -17,7 +17,7 @@ impl Ledger {
             .into_iter()
             .map(|(id, name, digest, created_at)| {
                 let created_at = u64::try_from(created_at.unix_timestamp_nanos() / 1_000_000).unwrap_or_default();
-                (ClientRecord { id: ClientId::new(id), name, created_at, revoked_at: None }, digest)
+                (ClientRecord { id: ClientId::new(id), name, created_at, revoked_at: None, keys: Vec::new() }, digest)
             })
             .collect())
     }

@@ -80,3 +80,49 @@ async fn migrate_carries_a_ledgers_clients_into_the_key_table() {
     cli(&app, &["migrate"]).await;
     assert_eq!(app.clients().list().await.unwrap().len(), 2, "a second migrate copies nothing twice");
 }
+
+/// A client kept in the older layout of the key table (an item per key
+/// digest, a profile item) is moved into its record by `migrate`, with its
+/// accounts and limits: its key goes on paying, and the old items are gone.
+#[tokio::test]
+async fn migrate_moves_clients_of_the_older_layout_into_their_records() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let app = spawn_app().await;
+    let key = ApiKey::generate();
+    let id = keyfence::domain::ClientId::generate();
+    let dynamo = app.keys.store.client();
+    let table = app.keys.store.table();
+    let s = |v: &str| AttributeValue::S(v.to_owned());
+    dynamo
+        .put_item()
+        .table_name(table)
+        .item("pk", s(&format!("control#client#{}", key.digest())))
+        .item("kind", s("client"))
+        .item("client_id", s(&id.to_string()))
+        .item("name", s("old layout"))
+        .item("created_at", AttributeValue::N("1".into()))
+        .send()
+        .await
+        .unwrap();
+    dynamo
+        .put_item()
+        .table_name(table)
+        .item("pk", s(&format!("control#profile#{id}")))
+        .item("accounts", AttributeValue::Ss(vec![DEBTOR.to_owned()]))
+        .item("max_amount_minor", AttributeValue::N("5000".into()))
+        .send()
+        .await
+        .unwrap();
+
+    let said = cli(&app, &["migrate"]).await;
+    assert!(said.contains("1 client(s) moved"), "{said}");
+    assert_eq!(
+        app.pay_as(key.reveal(), "old-layout-1", &payment("E2E-OLD-LAYOUT")).await.status(),
+        StatusCode::CREATED
+    );
+    let profile = app.clients().profile(id).await.unwrap();
+    assert_eq!(profile.max_amount_minor, Some(5000), "its limits came along");
+    let old = dynamo.get_item().table_name(table).key("pk", s(&format!("control#profile#{id}"))).send().await.unwrap();
+    assert!(old.item().is_none(), "the old items are gone");
+    assert!(!cli(&app, &["migrate"]).await.contains("moved"), "a second migrate moves nothing");
+}

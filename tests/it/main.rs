@@ -43,6 +43,7 @@ mod reconcile_crashes;
 mod region_auth;
 #[cfg(feature = "failpoints")]
 mod regions;
+mod rotation;
 #[cfg(feature = "failpoints")]
 mod seams;
 mod store_errors;
