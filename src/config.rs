@@ -365,9 +365,10 @@ pub struct ServeSettings {
     #[arg(long = "max-connections", env = "KEYFENCE_MAX_CONNECTIONS", default_value_t = 1024,
           value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u32).range(1..), |n| n as usize))]
     pub max_connections: usize,
-    /// Connections served at once from one peer address; more are closed at once (behind a load
-    /// balancer every connection comes from its few addresses: raise this to max-connections).
-    #[arg(long = "max-connections-per-address", env = "KEYFENCE_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = 256,
+    /// Connections served at once from one peer address (an IPv6 address: its /64); more are closed at
+    /// once (behind a load balancer every connection comes from its few addresses: raise this to
+    /// max-connections, and cap per client address at the load balancer).
+    #[arg(long = "max-connections-per-address", env = "KEYFENCE_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = 64,
           value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u32).range(1..), |n| n as usize))]
     pub max_connections_per_address: usize,
     /// Requests one connection serves; the last is answered with `Connection: close`.
@@ -375,7 +376,7 @@ pub struct ServeSettings {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_requests_per_connection: u32,
     /// How long one connection lives, in milliseconds; then it is closed after its request in flight.
-    #[arg(long = "max-connection-age-ms", env = "KEYFENCE_MAX_CONNECTION_AGE_MS", default_value = "300000", value_parser = parse_millis)]
+    #[arg(long = "max-connection-age-ms", env = "KEYFENCE_MAX_CONNECTION_AGE_MS", default_value = "60000", value_parser = parse_millis)]
     pub max_connection_age: Duration,
     /// How often the recovery worker looks for stale requests, in milliseconds (0: never).
     #[arg(long = "recovery-interval-ms", env = "KEYFENCE_RECOVERY_INTERVAL_MS", default_value_t = 5000)]
@@ -422,11 +423,16 @@ pub struct FairUseSettings {
     #[arg(long = "max-payment-tasks", env = "KEYFENCE_MAX_PAYMENT_TASKS", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_payment_tasks: u32,
+    /// API keys never seen by this instance it looks up a second (twice that at once; past it: 503):
+    /// what a flood of made-up keys costs the key table at most.
+    #[arg(long = "new-key-lookups", env = "KEYFENCE_NEW_KEY_LOOKUPS", default_value_t = 200,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub new_key_lookups: u32,
 }
 
 impl Default for FairUseSettings {
     fn default() -> Self {
-        Self { client_rate: 100, client_burst: 200, client_in_flight: 16, max_payment_tasks: 256 }
+        Self { client_rate: 100, client_burst: 200, client_in_flight: 16, max_payment_tasks: 256, new_key_lookups: 200 }
     }
 }
 

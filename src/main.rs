@@ -215,6 +215,9 @@ struct MigrateArgs {
     keys: KeyStoreSettings,
     #[command(flatten)]
     ledger: LedgerSettings,
+    /// Delete the older layout's client items once copied: only when every region runs this version.
+    #[arg(long = "drop-older-clients")]
+    drop_older_clients: bool,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -938,7 +941,7 @@ async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
 }
 
 async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
-    let done = startup::migrate(&args.keys, &args.ledger)
+    let done = startup::migrate(&args.keys, &args.ledger, args.drop_older_clients)
         .await
         .with_context(|| format!("migrating table {} and ledger {}", args.keys.table, args.ledger.database_url))?;
     let table = match done.table {
@@ -955,7 +958,11 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                 "version": done.ledger.version,
             },
             "clients_copied": done.clients_copied,
-            "clients_moved": done.clients_moved,
+            "older_clients": {
+                "copied": done.older_clients.copied,
+                "kept": done.older_clients.kept,
+                "dropped": done.older_clients.dropped,
+            },
         });
         println!("{report}");
     } else {
@@ -967,8 +974,19 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
             done.ledger.applied.len(),
             done.ledger.version.map_or_else(|| "none".to_owned(), |v| v.to_string()),
         );
-        if done.clients_moved > 0 {
-            println!("{} client(s) moved to the key table's client records", done.clients_moved);
+        let older = done.older_clients;
+        if older.copied > 0 {
+            println!("{} client(s) of the older layout copied into client records", older.copied);
+        }
+        if older.kept > 0 {
+            println!(
+                "{} client item(s) of the older layout kept for instances of an older version; once every region \
+                 runs this one: keyfence migrate --drop-older-clients",
+                older.kept
+            );
+        }
+        if older.dropped > 0 {
+            println!("{} item(s) of the older layout deleted", older.dropped);
         }
         if done.clients_copied > 0 {
             println!("{} client(s) of this ledger are in the key table now (clients are global)", done.clients_copied);

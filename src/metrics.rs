@@ -1,12 +1,17 @@
 //! Metrics, beside telemetry: counters and latency histograms through the
-//! `metrics` facade, rendered in the Prometheus text format at `/metrics`
-//! (with the process's CPU and memory). Labels take only values from small
+//! `metrics` facade, rendered in the Prometheus text format at `/metrics` on
+//! the admin listener (with the process's CPU and memory). Labels take only values from small
 //! fixed sets (routes, answer classes, operations, recovery points, rails),
 //! never a key, a client or an account.
 //!
 //! | metric | labels | what |
 //! | --- | --- | --- |
-//! | `keyfence_http_requests_total` | `route`, `answer` | answers by class: `created`, `replayed`, `ok`, `pending`, `declined`, `in_flight`, `mismatch`, `client_error`, `unavailable`, `server_error` |
+//! | `keyfence_http_requests_total` | `route`, `answer` | answers by class: `created`, `replayed`, `ok`, `pending`, `declined`, `in_flight`, `mismatch`, `throttled`, `client_error`, `unavailable`, `server_error` |
+//! | `keyfence_limiter_decisions_total` | `limiter`, `decision` | each fair-use decision (`rate`, `in_flight`, `tasks`): `allowed` or `refused` |
+//! | `keyfence_throttled_total` | `reason` | requests turned away: `rate` and `in_flight` (429), `tasks` (503) |
+//! | `keyfence_payment_tasks_in_flight` | | payment tasks running now (a gauge) |
+//! | `keyfence_connections_refused_total` | `reason` | connections closed unanswered: `per_address` |
+//! | `keyfence_registry_reads_total` | | reads of the region registry |
 //! | `keyfence_client_lookups_total` | `outcome` | reads of the client directory: `found` or `unknown` (a key never looked up, or not for `CACHE_FOR`; malformed keys are refused unread) |
 //! | `keyfence_claims_total` | `outcome` | `won` (a new request) or `existing` (the key was there) |
 //! | `keyfence_takeovers_total` | `by` | `retry`, `worker` (recovery worker and reconciler), `failover` |

@@ -48,25 +48,31 @@ pub struct Migrated {
     /// Clients found in the ledger (from before clients were global), now
     /// in the key table.
     pub clients_copied: usize,
-    /// Clients moved from the key table's older layout into their records.
-    pub clients_moved: usize,
+    /// What became of clients of the key table's older layout.
+    pub older_clients: crate::clients::Carried,
 }
 
 /// Creates the key table if missing and brings the ledger schema up to date.
 /// Idempotent: a second run changes nothing.
-pub async fn migrate(keys: &KeyStoreSettings, ledger: &LedgerSettings) -> Result<Migrated, StartupError> {
+/// With `drop_older_clients`, the older layout's client items are deleted
+/// once copied (when no instance of an older version runs any more).
+pub async fn migrate(
+    keys: &KeyStoreSettings,
+    ledger: &LedgerSettings,
+    drop_older_clients: bool,
+) -> Result<Migrated, StartupError> {
     let client = keystore::connect(keys).await;
     let table = keystore::ensure_table(&client, &keys.table).await?;
     let (regional, ledger) = Ledger::migrate(ledger).await?;
     // Clients used to live in each ledger; they are global now.
     let directory = ClientStore::new(client, keys.table.clone());
-    let clients_moved = directory.migrate_legacy().await?;
+    let older_clients = directory.migrate_legacy(drop_older_clients).await?;
     let mut clients_copied = 0;
     for (record, digest) in regional.legacy_clients().await? {
         directory.put(record, &digest).await?;
         clients_copied += 1;
     }
-    Ok(Migrated { table, ledger, clients_copied, clients_moved })
+    Ok(Migrated { table, ledger, clients_copied, older_clients })
 }
 
 /// The engine over the configured stores and rails.
@@ -128,16 +134,8 @@ impl Application {
         }
         crate::metrics::install();
         let engine = Arc::new(build_engine(&settings.engine).await?);
-        let clients =
-            Directory::new(ClientStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone()));
-        let state = AppState {
-            engine: engine.clone(),
-            clients,
-            peers: Peers::new(secret),
-            throttle: Throttle::new(settings.fair_use),
-            readiness: Default::default(),
-            body_limit: settings.body_limit,
-        };
+        let store = ClientStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
+        let clients = Directory::new(store, settings.fair_use.new_key_lookups);
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
@@ -148,6 +146,14 @@ impl Application {
                 "http://{}",
                 listener.local_addr().map_err(|source| StartupError::Listen { addr: settings.listen, source })?
             ),
+        };
+        let state = AppState {
+            engine: engine.clone(),
+            clients,
+            peers: Peers::new(secret, &url),
+            throttle: Throttle::new(settings.fair_use),
+            readiness: Default::default(),
+            body_limit: settings.body_limit,
         };
         match advertisable(&url, settings.local_regions) {
             Ok(()) => {

@@ -1,9 +1,12 @@
 //! The layout an older keyfence kept clients in: one item per key digest
 //! (`control#client#{digest}`, naming the client) and a profile item per
-//! client (`control#profile#{id}`). `keyfence migrate` moves each into the
-//! client's record (with its key, accounts and limits) and deletes the old
-//! items; a second run finds nothing. This is the one place that scans the
-//! table, and it runs only from `migrate`.
+//! client (`control#profile#{id}`). `keyfence migrate` copies each into the
+//! client's record (with its key, accounts and limits) and marks the old
+//! item copied, keeping it: instances of the older version, in regions not
+//! upgraded yet, go on finding their clients there. Once every region runs
+//! this version, `keyfence migrate --drop-older-clients` deletes the old
+//! items. This is the one place that scans the table, and it runs only from
+//! `migrate`.
 
 use std::collections::HashMap;
 
@@ -19,11 +22,28 @@ pub(super) const PROFILE: &str = "control#profile#";
 /// Profile attributes carried over as they are.
 const PROFILE_ATTRIBUTES: [&str; 6] = ["accounts", "currencies", "max_amount_minor", "rate", "burst", "in_flight"];
 
+/// What `migrate` did with the older layout.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Carried {
+    /// Clients copied into their records by this run.
+    pub copied: usize,
+    /// Clients of the older layout still there (copied, kept for older
+    /// instances).
+    pub kept: usize,
+    /// Older items deleted by this run.
+    pub dropped: usize,
+}
+
 impl ClientStore {
-    /// Moves every client of the older layout into its record; how many.
-    pub async fn migrate_legacy(&self) -> Result<usize, ClientsError> {
+    /// Copies every client of the older layout not copied yet into its
+    /// record; with `drop`, deletes the older items instead of keeping them.
+    pub async fn migrate_legacy(&self, drop: bool) -> Result<Carried, ClientsError> {
         let (clients, profiles) = self.legacy_items().await?;
+        let mut carried = Carried::default();
         for (pk, item) in &clients {
+            if item.contains_key("copied_at") {
+                continue;
+            }
             let digest = pk.trim_start_matches(CLIENT);
             let text = |name: &str| match item.get(name) {
                 Some(AttributeValue::S(value)) => Ok(value.clone()),
@@ -41,6 +61,23 @@ impl ClientStore {
             if let Some(profile) = profiles.get(&format!("{PROFILE}{id}")) {
                 self.carry_profile(id, profile).await?;
             }
+            // Marked once the record holds it all: a run cut short before
+            // this copies it again, and no later run copies over changes
+            // made to the record since.
+            self.client()
+                .update_item()
+                .table_name(self.table())
+                .key("pk", s(pk.as_str()))
+                .update_expression("SET copied_at = :at")
+                .expression_attribute_values(":at", AttributeValue::N(crate::domain::Millis::now().get().to_string()))
+                .send()
+                .await
+                .map_err(store)?;
+            carried.copied += 1;
+        }
+        if !drop {
+            carried.kept = clients.len();
+            return Ok(carried);
         }
         for pk in clients.iter().map(|(pk, _)| pk).chain(profiles.keys()) {
             self.client()
@@ -50,8 +87,9 @@ impl ClientStore {
                 .send()
                 .await
                 .map_err(store)?;
+            carried.dropped += 1;
         }
-        Ok(clients.len())
+        Ok(carried)
     }
 
     /// Copies the older profile item's attributes onto client `id`'s record.

@@ -15,9 +15,11 @@ mod legacy;
 mod profile;
 mod store;
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use quick_cache::sync::Cache;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -25,6 +27,7 @@ use tokio::time::Instant;
 use crate::domain::{ApiKey, ClientId};
 
 pub use keys::{KeyRecord, Rotated};
+pub use legacy::Carried;
 pub use profile::{FairUse, Limits, Profile, Refusal};
 pub use store::{ClientStore, ClientsError};
 
@@ -64,7 +67,11 @@ type Stored = Option<(ClientRecord, Arc<Profile>)>;
 /// The clients, as this instance sees them. Known keys and unknown ones
 /// are cached apart, so a flood of made-up keys evicts no legitimate one;
 /// concurrent lookups of one digest make one store read between them; a
-/// presented key not shaped like a keyfence key is refused with no read.
+/// presented key not shaped like a keyfence key is refused with no read;
+/// and keys never seen here are looked up within a budget a second (past
+/// it: [`ClientsError::Busy`], answered 503), so a flood of well-formed
+/// made-up keys reaches the key table at that rate at most, while keys
+/// known here are looked up again whenever their time comes.
 #[derive(Clone)]
 pub struct Directory {
     store: ClientStore,
@@ -72,10 +79,23 @@ pub struct Directory {
     known: Arc<Cache<String, (Instant, ClientId)>>,
     /// The last lookup of every other digest (and, while a lookup runs, the
     /// place its concurrent twins wait on).
-    unknown: Arc<Cache<String, (Instant, Option<ClientId>)>>,
+    unknown: Arc<Lookups<String, Option<ClientId>>>,
     /// Records and profiles looked up, and when.
-    records: Arc<Cache<ClientId, (Instant, Arc<Stored>)>>,
+    records: Arc<Lookups<ClientId, Arc<Stored>>>,
+    /// Lookups of keys never seen here, a second.
+    new_keys: Arc<DefaultDirectRateLimiter>,
 }
+
+/// What a lookup found, or why it failed (shared, briefly, with the callers
+/// that waited on it).
+type Looked<V> = Result<V, String>;
+
+/// Lookups cached by key, each with when it was made.
+type Lookups<K, V> = Cache<K, (Instant, Looked<V>)>;
+
+/// How long a failed lookup's error is shared with the callers asking
+/// meanwhile, rather than each trying again in turn.
+const FAILED_FOR: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for Directory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -84,12 +104,17 @@ impl std::fmt::Debug for Directory {
 }
 
 impl Directory {
-    pub fn new(store: ClientStore) -> Self {
+    /// A directory that looks up at most `new_keys_a_second` keys never
+    /// seen here a second (twice that at once).
+    pub fn new(store: ClientStore, new_keys_a_second: u32) -> Self {
+        let rate = NonZeroU32::new(new_keys_a_second).unwrap_or(NonZeroU32::MIN);
+        let quota = Quota::per_second(rate).allow_burst(rate.saturating_mul(NonZeroU32::new(2).expect("2 > 0")));
         Self {
             store,
             known: Arc::new(Cache::new(KNOWN_ENTRIES)),
             unknown: Arc::new(Cache::new(UNKNOWN_ENTRIES)),
             records: Arc::new(Cache::new(KNOWN_ENTRIES)),
+            new_keys: Arc::new(RateLimiter::direct(quota)),
         }
     }
 
@@ -103,10 +128,16 @@ impl Directory {
             return Ok(None);
         }
         let digest = key.digest();
-        let (owner, looked_up) = match self.known.get(&digest).filter(|(at, _)| at.elapsed() < CACHE_FOR) {
+        let known = self.known.get(&digest);
+        let (owner, looked_up) = match known.filter(|(at, _)| at.elapsed() < CACHE_FOR) {
             Some((_, client)) => (Some(client), false),
             None => {
+                let seen_here = known.is_some();
                 let owner = fresh_or_load(&self.unknown, &digest, async || {
+                    if !seen_here && self.new_keys.check().is_err() {
+                        metrics::counter!("keyfence_client_lookups_total", "outcome" => "deferred").increment(1);
+                        return Err(ClientsError::Busy);
+                    }
                     let owner = self.store.owner_of(&digest).await?;
                     let outcome = if owner.is_some() { "found" } else { "unknown" };
                     metrics::counter!("keyfence_client_lookups_total", "outcome" => outcome).increment(1);
@@ -152,10 +183,12 @@ impl Directory {
 }
 
 /// What `cache` holds for `key`, if it was loaded less than [`CACHE_FOR`]
-/// ago; otherwise one caller runs `load` and the callers asking meanwhile
-/// wait for its value (quick_cache's placeholder), so a key is read once.
+/// ago (a failure: less than [`FAILED_FOR`]); otherwise one caller runs
+/// `load` and the callers asking meanwhile wait for its outcome
+/// (quick_cache's placeholder), so a key is read once, and a failing store
+/// is not asked again by each waiter in turn.
 async fn fresh_or_load<K, V>(
-    cache: &Cache<K, (Instant, V)>,
+    cache: &Lookups<K, V>,
     key: &K,
     load: impl AsyncFnOnce() -> Result<V, ClientsError>,
 ) -> Result<V, ClientsError>
@@ -163,8 +196,10 @@ where
     K: Eq + std::hash::Hash + Clone,
     V: Clone,
 {
+    let fresh =
+        |(at, looked): &(Instant, Looked<V>)| at.elapsed() < if looked.is_ok() { CACHE_FOR } else { FAILED_FOR };
     let looked = match cache.get_value_or_guard_async(key).await {
-        Ok((at, value)) if at.elapsed() < CACHE_FOR => return Ok(value),
+        Ok(entry) if fresh(&entry) => return entry.1.map_err(ClientsError::Store),
         Ok(_) => {
             cache.remove(key);
             cache.get_value_or_guard_async(key).await
@@ -173,11 +208,12 @@ where
     };
     match looked {
         // Loaded meanwhile by another caller.
-        Ok((_, value)) => Ok(value),
+        Ok((_, looked)) => looked.map_err(ClientsError::Store),
         Err(guard) => {
-            let value = load().await?;
-            let _ = guard.insert((Instant::now(), value.clone()));
-            Ok(value)
+            let loaded = load().await;
+            let shared = loaded.as_ref().map(Clone::clone).map_err(ToString::to_string);
+            let _ = guard.insert((Instant::now(), shared));
+            loaded
         }
     }
 }

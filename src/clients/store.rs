@@ -46,6 +46,8 @@ pub enum ClientsError {
     UnknownKey(ClientId, String),
     #[error("client {0} was changed by someone else meanwhile; try again")]
     Contended(ClientId),
+    #[error("this instance is looking up as many new keys a second as it may")]
+    Busy,
 }
 
 pub(super) type Attrs = HashMap<String, AttributeValue>;

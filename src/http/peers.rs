@@ -33,6 +33,9 @@ pub struct Peers {
     http: reqwest::Client,
     /// Without it no other region can be asked (or ask this one).
     secret: Option<RegionSecret>,
+    /// Where other regions reach this one (the authority of the URL it
+    /// advertises): a forwarded read must be signed for it.
+    authority: String,
 }
 
 /// Who asks, and for whom.
@@ -62,17 +65,24 @@ pub fn check_target(headers: &HeaderMap, me: &str) -> Result<(), ApiError> {
 }
 
 impl Peers {
-    pub fn new(secret: Option<RegionSecret>) -> Self {
+    /// Peers for a region other regions reach at `own_url`.
+    pub fn new(secret: Option<RegionSecret>, own_url: &str) -> Self {
         let http = reqwest::Client::builder()
             .timeout(PEER_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .expect("an HTTP client");
-        Self { http, secret }
+        let authority = reqwest::Url::parse(own_url).ok().map(|url| authority(&url)).unwrap_or_default();
+        Self { http, secret, authority }
     }
 
     pub fn secret(&self) -> Option<&RegionSecret> {
         self.secret.as_ref()
+    }
+
+    /// The authority a forwarded read of this region must be signed for.
+    pub fn authority(&self) -> &str {
+        &self.authority
     }
 
     /// The payment at `path` as the first other region holding a live copy
@@ -149,7 +159,16 @@ impl Peers {
             Some(query) => format!("{}?{query}", url.path()),
             None => url.path().to_owned(),
         };
-        let asking = Asking { method: "GET", target: &target, region, from: asker.me, client: asker.client, at: now() };
+        let authority = authority(&url);
+        let asking = Asking {
+            method: "GET",
+            authority: &authority,
+            target: &target,
+            region,
+            from: asker.me,
+            client: asker.client,
+            at: now(),
+        };
         let (headers, signature) = secret.sign(&asking);
         let mut request = self.http.get(url);
         for (name, value) in headers {
@@ -180,6 +199,12 @@ impl Peers {
             }
         }
     }
+}
+
+/// A URL's host and port (the port even when it is the scheme's default),
+/// lower case: what a signature binds the request's destination to.
+pub fn authority(url: &reqwest::Url) -> String {
+    format!("{}:{}", url.host_str().unwrap_or_default().to_ascii_lowercase(), url.port_or_known_default().unwrap_or(0))
 }
 
 /// Where to ask a region advertising `base`: https, or http to a loopback

@@ -87,7 +87,7 @@ impl IntoResponse for ApiError {
                 (StatusCode::BAD_REQUEST, "invalid-idempotency-key", "Invalid Idempotency-Key", why.to_string(), None)
             }
             ApiError::WrongContentType => (
-                StatusCode::BAD_REQUEST,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "wrong-content-type",
                 "Wrong content type",
                 "The body must be JSON, sent with Content-Type: application/json.".to_owned(),

@@ -44,9 +44,21 @@ pub struct Limits {
     pub max_age: Duration,
 }
 
-/// Connections open per peer address.
+/// Connections open per peer address (an IPv6 address counts as its /64:
+/// one host is usually given a whole /64).
 #[derive(Clone, Default)]
 struct PerAddress(Arc<Mutex<HashMap<IpAddr, usize>>>);
+
+/// The address a connection counts against.
+fn counted_as(address: IpAddr) -> IpAddr {
+    match address {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & (u128::MAX << 64))),
+        },
+        v4 => v4,
+    }
+}
 
 /// One connection's place in [`PerAddress`], given back when dropped.
 struct AddressSlot(PerAddress, IpAddr);
@@ -112,7 +124,7 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let Some(address) = addresses.take(peer.ip(), limits.per_address) else {
+        let Some(address) = addresses.take(counted_as(peer.ip()), limits.per_address) else {
             metrics::counter!("keyfence_connections_refused_total", "reason" => "per_address").increment(1);
             continue;
         };
@@ -155,4 +167,19 @@ pub async fn serve(
     let _ = stop.send(true);
     while connections.join_next().await.is_some() {}
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counted_as;
+
+    #[test]
+    fn an_ipv6_host_counts_as_its_64_and_a_mapped_ipv4_as_itself() {
+        let a = counted_as("2001:db8:1:2:aaaa::1".parse().unwrap());
+        let b = counted_as("2001:db8:1:2:bbbb::2".parse().unwrap());
+        assert_eq!(a, b);
+        assert_ne!(a, counted_as("2001:db8:1:3::1".parse().unwrap()));
+        assert_eq!(counted_as("::ffff:192.0.2.7".parse().unwrap()), counted_as("192.0.2.7".parse().unwrap()));
+        assert_ne!(counted_as("192.0.2.7".parse().unwrap()), counted_as("192.0.2.8".parse().unwrap()));
+    }
 }

@@ -1,9 +1,13 @@
 //! Reads one region forwards to another, proved with the deployment's
 //! region secret rather than the caller's API key (which never leaves the
-//! region that received it). The asking region signs the method, the path
-//! with its query, the region meant, itself, the caller's client id and the
-//! time (HMAC-SHA256); the region asked refuses a forwarded request whose
-//! signature is wrong or whose time is more than [`WINDOW`] away (401), and
+//! region that received it). The asking region signs the method, the
+//! authority it sends to (host and port of the URL the region meant
+//! advertises), the path with its query, the region meant, itself, the
+//! caller's client id and the time (HMAC-SHA256); the region asked checks
+//! the signature against its own advertised authority, so a signed request
+//! sent to a URL that is not the region's own cannot be relayed to the
+//! region, and it refuses a wrong signature or a time more than [`WINDOW`]
+//! away (401), and
 //! signs its answer, bound to the request's signature, so that an answer
 //! from anything without the secret (a URL in the key table pointing
 //! elsewhere) is not believed either.
@@ -56,6 +60,8 @@ pub struct ForwardedFor(pub ClientId);
 /// What a signed request says of itself.
 pub struct Asking<'a> {
     pub method: &'a str,
+    /// The host and port sent to ([`super::peers::authority`]).
+    pub authority: &'a str,
     /// The path and query, exactly as sent.
     pub target: &'a str,
     /// The region meant, and the region asking.
@@ -104,6 +110,7 @@ impl RegionSecret {
         self.mac(&[
             b"request",
             asking.method.as_bytes(),
+            asking.authority.as_bytes(),
             asking.target.as_bytes(),
             asking.region.as_bytes(),
             asking.from.as_bytes(),
@@ -128,14 +135,21 @@ impl RegionSecret {
 
     /// The client a forwarded request is for, if its signature is right and
     /// its time within [`WINDOW`] of `now`; and the signature.
-    fn verify(&self, method: &str, target: &str, headers: &HeaderMap, now: u64) -> Option<(ClientId, String)> {
+    fn verify(
+        &self,
+        method: &str,
+        authority: &str,
+        target: &str,
+        headers: &HeaderMap,
+        now: u64,
+    ) -> Option<(ClientId, String)> {
         let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         let at: u64 = text(TIMESTAMP)?.parse().ok()?;
         if now.abs_diff(at) > WINDOW.as_secs() {
             return None;
         }
         let client: ClientId = text(CLIENT)?.parse().ok()?;
-        let asking = Asking { method, target, region: text(FORWARDED)?, from: text(FROM)?, client, at };
+        let asking = Asking { method, authority, target, region: text(FORWARDED)?, from: text(FROM)?, client, at };
         let signature = text(SIGNATURE)?;
         self.request_mac(&asking).verify_slice(&hex::decode(signature).ok()?).ok()?;
         Some((client, signature.to_owned()))
@@ -176,7 +190,9 @@ pub async fn from_a_region(State(state): State<AppState>, mut request: Request, 
     }
     let Some(secret) = state.peers.secret().cloned() else { return ApiError::Unauthenticated.into_response() };
     let target = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
-    let Some((client, signature)) = secret.verify(request.method().as_str(), &target, request.headers(), now()) else {
+    let method = request.method().as_str();
+    let Some((client, signature)) = secret.verify(method, state.peers.authority(), &target, request.headers(), now())
+    else {
         return ApiError::Unauthenticated.into_response();
     };
     request.extensions_mut().insert(ForwardedFor(client));
@@ -204,20 +220,32 @@ mod tests {
     #[test]
     fn a_signed_request_is_verified_and_any_change_to_it_is_not() {
         let client = ClientId::generate();
-        let asking = Asking { method: "GET", target: "/v1/payments/1", region: "b", from: "a", client, at: 1_000 };
+        let asking = Asking {
+            method: "GET",
+            authority: "b.example:443",
+            target: "/v1/payments/1",
+            region: "b",
+            from: "a",
+            client,
+            at: 1_000,
+        };
         let (signed, signature) = secret().sign(&asking);
         let good = headers(signed.clone());
-        assert_eq!(secret().verify("GET", "/v1/payments/1", &good, 1_030), Some((client, signature)));
-        assert!(secret().verify("GET", "/v1/payments/2", &good, 1_000).is_none(), "another path");
-        assert!(secret().verify("POST", "/v1/payments/1", &good, 1_000).is_none(), "another method");
-        assert!(secret().verify("GET", "/v1/payments/1", &good, 1_061).is_none(), "stale");
-        assert!(secret().verify("GET", "/v1/payments/1", &good, 939).is_none(), "from the future");
+        assert_eq!(secret().verify("GET", "b.example:443", "/v1/payments/1", &good, 1_030), Some((client, signature)));
+        assert!(secret().verify("GET", "b.example:443", "/v1/payments/2", &good, 1_000).is_none(), "another path");
+        assert!(secret().verify("POST", "b.example:443", "/v1/payments/1", &good, 1_000).is_none(), "another method");
+        assert!(secret().verify("GET", "b.example:443", "/v1/payments/1", &good, 1_061).is_none(), "stale");
+        assert!(secret().verify("GET", "b.example:443", "/v1/payments/1", &good, 939).is_none(), "from the future");
+        assert!(secret().verify("GET", "evil.example:443", "/v1/payments/1", &good, 1_000).is_none(), "relayed");
         let other = RegionSecret::new("another secret, also of 32 bytes or more").unwrap();
-        assert!(other.verify("GET", "/v1/payments/1", &good, 1_000).is_none(), "another secret");
+        assert!(other.verify("GET", "b.example:443", "/v1/payments/1", &good, 1_000).is_none(), "another secret");
         for (name, value) in [(CLIENT, ClientId::generate().to_string()), (FORWARDED, "c".into()), (FROM, "c".into())] {
             let mut changed = good.clone();
             changed.insert(name, value.parse().unwrap());
-            assert!(secret().verify("GET", "/v1/payments/1", &changed, 1_000).is_none(), "{name} changed");
+            assert!(
+                secret().verify("GET", "b.example:443", "/v1/payments/1", &changed, 1_000).is_none(),
+                "{name} changed"
+            );
         }
     }
 

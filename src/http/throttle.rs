@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use quick_cache::sync::Cache;
+use quick_cache::sync::{Cache, GuardResult};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::clients::Profile;
@@ -80,10 +80,18 @@ impl Throttle {
         let rate = profile.fair_use.rate.unwrap_or(self.inner.defaults.client_rate);
         let burst = profile.fair_use.burst.unwrap_or(self.inner.defaults.client_burst);
         let quota = Quota::per_second(positive(rate)).allow_burst(positive(burst));
-        let bucket = match self.inner.buckets.get(&client).filter(|bucket| bucket.0 == quota) {
-            Some(bucket) => bucket,
-            None => {
-                let bucket = Arc::new((quota, RateLimiter::direct(quota)));
+        // Concurrent first requests share the one bucket made (a second
+        // would be a second burst); a changed quota makes a new one.
+        let made = || Arc::new((quota, RateLimiter::direct(quota)));
+        let bucket = match self.inner.buckets.get_value_or_guard(&client, None) {
+            GuardResult::Value(bucket) if bucket.0 == quota => bucket,
+            GuardResult::Guard(guard) => {
+                let bucket = made();
+                let _ = guard.insert(bucket.clone());
+                bucket
+            }
+            GuardResult::Value(_) | GuardResult::Timeout => {
+                let bucket = made();
                 self.inner.buckets.insert(client, bucket.clone());
                 bucket
             }
@@ -152,6 +160,7 @@ mod tests {
             client_burst: burst,
             client_in_flight: in_flight,
             max_payment_tasks: tasks,
+            new_key_lookups: 1,
         })
     }
 

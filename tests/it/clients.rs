@@ -82,8 +82,10 @@ async fn migrate_carries_a_ledgers_clients_into_the_key_table() {
 }
 
 /// A client kept in the older layout of the key table (an item per key
-/// digest, a profile item) is moved into its record by `migrate`, with its
-/// accounts and limits: its key goes on paying, and the old items are gone.
+/// digest, a profile item) is copied into its record by `migrate`, with its
+/// accounts and limits: its key goes on paying. The old items stay (older
+/// instances still read them) until `migrate --drop-older-clients`, and a
+/// second migrate copies nothing over changes made since.
 #[tokio::test]
 async fn migrate_moves_clients_of_the_older_layout_into_their_records() {
     use aws_sdk_dynamodb::types::AttributeValue;
@@ -115,14 +117,22 @@ async fn migrate_moves_clients_of_the_older_layout_into_their_records() {
         .unwrap();
 
     let said = cli(&app, &["migrate"]).await;
-    assert!(said.contains("1 client(s) moved"), "{said}");
-    assert_eq!(
-        app.pay_as(key.reveal(), "old-layout-1", &payment("E2E-OLD-LAYOUT")).await.status(),
-        StatusCode::CREATED
-    );
+    assert!(said.contains("1 client(s) of the older layout copied"), "{said}");
+    let paid = app.pay_as(key.reveal(), "old-layout-1", &payment("E2E-OLD-LAYOUT")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
     let profile = app.clients().profile(id).await.unwrap();
     assert_eq!(profile.max_amount_minor, Some(5000), "its limits came along");
-    let old = dynamo.get_item().table_name(table).key("pk", s(&format!("control#profile#{id}"))).send().await.unwrap();
-    assert!(old.item().is_none(), "the old items are gone");
-    assert!(!cli(&app, &["migrate"]).await.contains("moved"), "a second migrate moves nothing");
+    let old_profile = || dynamo.get_item().table_name(table).key("pk", s(&format!("control#profile#{id}"))).send();
+    assert!(old_profile().await.unwrap().item().is_some(), "kept for older instances");
+
+    let limits = keyfence::clients::Limits { max_amount_minor: Some(9000), ..Default::default() };
+    app.clients().set_limits(id, &limits).await.unwrap();
+    let again = cli(&app, &["migrate"]).await;
+    assert!(!again.contains("copied into"), "{again}");
+    assert_eq!(app.clients().profile(id).await.unwrap().max_amount_minor, Some(9000), "nothing copied over it");
+    let dropped = cli(&app, &["migrate", "--drop-older-clients"]).await;
+    assert!(dropped.contains("2 item(s) of the older layout deleted"), "{dropped}");
+    assert!(old_profile().await.unwrap().item().is_none(), "the old items are gone");
+    let paid = app.pay_as(key.reveal(), "old-layout-2", &payment("E2E-OLD-LAYOUT-2")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED, "and the key pays on");
 }

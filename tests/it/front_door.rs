@@ -170,7 +170,11 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing() {
         ("key too long", post(Some(&"k".repeat(256)), me, json, valid.clone()).await, StatusCode::BAD_REQUEST),
         ("key charset", post(Some("key with spaces"), me, json, valid.clone()).await, StatusCode::BAD_REQUEST),
         ("malformed JSON", post(Some("k"), me, json, "{\"amount_minor\": ".into()).await, StatusCode::BAD_REQUEST),
-        ("wrong content type", post(Some("k"), me, "text/plain", valid.clone()).await, StatusCode::BAD_REQUEST),
+        (
+            "wrong content type",
+            post(Some("k"), me, "text/plain", valid.clone()).await,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ),
         ("invalid field", post(Some("k"), me, json, invalid_amount.to_string()).await, StatusCode::BAD_REQUEST),
         ("unknown field", post(Some("k"), me, json, unknown_field.to_string()).await, StatusCode::BAD_REQUEST),
         ("no credentials", post(Some("k"), None, json, valid.clone()).await, StatusCode::UNAUTHORIZED),

@@ -12,7 +12,7 @@ use keyfence::keystore::KeyStore;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::app::{TestRail, payment, spawn_app, spawn_app_on};
+use crate::app::{TestRail, payment, spawn_app, spawn_app_on, spawn_app_with};
 
 /// The quoted (Structured Field string) and bare forms of one key are one
 /// key: the second is a replay of the first.
@@ -134,6 +134,31 @@ async fn made_up_bearer_tokens_cost_at_most_one_lookup_each() {
     assert_eq!(app.pay("honest-1", &payment("E2E-HONEST")).await.status(), StatusCode::CREATED);
     assert_eq!(app.pay("honest-2", &payment("E2E-HONEST-2")).await.status(), StatusCode::CREATED);
     assert!(lookups(&app, "found").await - found_before <= 1, "the honest key is read once, then known");
+}
+
+/// A flood of distinct well-formed made-up keys reaches the key table at
+/// the instance's budget for new keys at most (the rest: 503), while a key
+/// this instance has seen is looked up again whatever the flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_distinct_made_up_keys_costs_the_key_table_its_budget_at_most() {
+    let app = spawn_app_with(|s| s.fair_use.new_key_lookups = 20).await;
+    assert_eq!(app.pay("honest-1", &payment("E2E-HONEST-1")).await.status(), StatusCode::CREATED);
+    tokio::time::sleep(keyfence::clients::CACHE_FOR).await;
+    let before = lookups(&app, "unknown").await + lookups(&app, "found").await;
+    let started = std::time::Instant::now();
+    let flood = (0..300).map(|_| {
+        let token = keyfence::domain::ApiKey::generate();
+        let request = app.http.get(format!("{}/v1/payments?end_to_end_id=x", app.url)).bearer_auth(token.reveal());
+        async move { request.send().await.unwrap().status() }
+    });
+    let statuses = futures::future::join_all(flood).await;
+    let read = lookups(&app, "unknown").await + lookups(&app, "found").await - before;
+    let allowed = 40 + 20 * (started.elapsed().as_secs() + 1);
+    assert!(read <= allowed, "{read} reads for 300 made-up keys (budget {allowed})");
+    assert!(statuses.iter().all(|s| [StatusCode::UNAUTHORIZED, StatusCode::SERVICE_UNAVAILABLE].contains(s)));
+    assert!(statuses.contains(&StatusCode::SERVICE_UNAVAILABLE), "past the budget: 503");
+    // The honest key's cache entry is stale: it is read again, budget or not.
+    assert_eq!(app.pay("honest-2", &payment("E2E-HONEST-2")).await.status(), StatusCode::CREATED);
 }
 
 /// Accounts belong to clients. Client B pays from client A's account, and

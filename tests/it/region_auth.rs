@@ -1,14 +1,15 @@
 //! Regions prove who they are to each other. A URL in the key table that
 //! points at something else (here a server recording what it is sent and
 //! answering forged payments) receives no client's API key and is not
-//! believed; a forwarded read with a wrong signature or a stale time is
-//! refused with 401, and a right one is answered, signed.
+//! believed, nor can it relay what it was sent to the region meant; a
+//! forwarded read with a wrong signature or a stale time is refused with
+//! 401, and a right one is answered, signed.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, Uri};
 use axum::routing::get;
 use axum::{Json, Router};
 use keyfence::http::{Asking, RegionSecret};
@@ -19,28 +20,29 @@ use serde_json::{Value, json};
 
 use crate::app::{REGION_SECRET, TestApp, TestRail, spawn_app};
 
-type Seen = Arc<Mutex<Vec<String>>>;
+/// Every request a server was sent: its path and query, and its headers.
+type Seen = Arc<Mutex<Vec<(String, HeaderMap)>>>;
 
-/// A server that records every header it is sent and answers any payment
+/// A server that records every request it is sent and answers any payment
 /// asked for as succeeded, and any listing with a forged payment.
 async fn recorder() -> (TestRail, Seen) {
     let seen: Seen = Arc::default();
-    async fn record(seen: &Seen, headers: &HeaderMap) {
-        let mut seen = seen.lock().unwrap();
-        seen.extend(headers.iter().map(|(name, value)| format!("{name}: {}", value.to_str().unwrap_or("?"))));
+    async fn record(seen: &Seen, uri: &Uri, headers: &HeaderMap) {
+        let target = uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
+        seen.lock().unwrap().push((target, headers.clone()));
     }
     let router = Router::new()
         .route(
             "/v1/payments/{id}",
-            get(|State(seen): State<Seen>, headers: HeaderMap, Path(id): Path<String>| async move {
-                record(&seen, &headers).await;
+            get(|State(seen): State<Seen>, uri: Uri, headers: HeaderMap, Path(id): Path<String>| async move {
+                record(&seen, &uri, &headers).await;
                 Json(json!({ "id": id, "status": "succeeded", "amount_minor": 1, "currency": "EUR" }))
             }),
         )
         .route(
             "/v1/payments",
-            get(|State(seen): State<Seen>, headers: HeaderMap| async move {
-                record(&seen, &headers).await;
+            get(|State(seen): State<Seen>, uri: Uri, headers: HeaderMap| async move {
+                record(&seen, &uri, &headers).await;
                 Json(json!({ "data": [{ "id": uuid::Uuid::new_v4(), "end_to_end_id": "E2E-FORGED", "status": "succeeded" }] }))
             }),
         )
@@ -64,16 +66,33 @@ async fn a_url_in_the_key_table_gets_no_api_key_and_its_forged_answers_are_not_s
     assert_eq!(listed.status(), StatusCode::SERVICE_UNAVAILABLE, "nor the forged listing");
 
     let seen = seen.lock().unwrap().clone();
-    assert!(seen.len() > 2, "the recorder was asked: {seen:?}");
-    assert!(!seen.iter().any(|h| h.contains(&app.api_key)), "no API key was sent: {seen:?}");
-    assert!(!seen.iter().any(|h| h.starts_with("authorization")), "no credentials at all: {seen:?}");
+    assert!(seen.len() >= 2, "the recorder was asked: {seen:?}");
+    let sent: Vec<String> = seen
+        .iter()
+        .flat_map(|(_, headers)| headers.iter().map(|(name, value)| format!("{name}: {}", value.to_str().unwrap())))
+        .collect();
+    assert!(!sent.iter().any(|h| h.contains(&app.api_key)), "no API key was sent: {sent:?}");
+    assert!(!sent.iter().any(|h| h.starts_with("authorization")), "no credentials at all: {sent:?}");
+
+    // What it was sent, relayed to a region's front door (here this one,
+    // as if the table had named it test-9), is refused: it was signed for
+    // the recorder's address, not the region's.
+    store.advertise("test-9", &app.url).await.unwrap();
+    for (target, headers) in seen {
+        let mut relayed = app.http.get(format!("{}{target}", app.url));
+        for (name, value) in headers.iter().filter(|(name, _)| name.as_str().starts_with("keyfence-")) {
+            relayed = relayed.header(name, value);
+        }
+        assert_eq!(relayed.send().await.unwrap().status(), StatusCode::UNAUTHORIZED, "relayed {target}");
+    }
 }
 
 /// A forwarded read as another region would send it, signed with `secret`
 /// at `at` (seconds since the epoch).
 async fn forwarded(app: &TestApp, secret: &str, at: u64, path: &str) -> reqwest::Response {
     let client = app.client_id().await;
-    let asking = Asking { method: "GET", target: path, region: "test-1", from: "test-2", client, at };
+    let authority = app.url.trim_start_matches("http://");
+    let asking = Asking { method: "GET", authority, target: path, region: "test-1", from: "test-2", client, at };
     let (headers, _) = RegionSecret::new(secret).unwrap().sign(&asking);
     let mut request = app.http.get(format!("{}{path}", app.url));
     for (name, value) in headers {

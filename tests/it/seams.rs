@@ -260,7 +260,8 @@ async fn a_read_forwarded_to_the_wrong_region_is_refused_and_never_a_404() {
     let path = format!("/v1/payments/{id}");
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     let client = app.client_id().await;
-    let asking = Asking { method: "GET", target: &path, region: "test-2", from: "test-3", client, at: now };
+    let authority = app.url.trim_start_matches("http://");
+    let asking = Asking { method: "GET", authority, target: &path, region: "test-2", from: "test-3", client, at: now };
     let (signed, _) = RegionSecret::new(REGION_SECRET).unwrap().sign(&asking);
     let mut direct = app.http.get(format!("{}{path}", app.url));
     for (name, value) in signed {
