@@ -28,6 +28,7 @@ mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
 mod ledger_phases;
+mod ledger_tls;
 mod lost_replies;
 #[cfg(feature = "failpoints")]
 mod metrics;
