@@ -49,6 +49,10 @@ pub struct LedgerSettings {
         hide_env_values = true
     )]
     pub database_url: DatabaseUrl,
+    /// Connections the ledger pool holds at most (each phase takes one for its transaction).
+    #[arg(long = "ledger-pool-size", env = "KEYFENCE_LEDGER_POOL_SIZE", default_value_t = 20,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub pool_size: u32,
 }
 
 impl KeyStoreSettings {
@@ -64,6 +68,12 @@ impl KeyStoreSettings {
 }
 
 impl LedgerSettings {
+    /// A ledger a command makes a statement or two of (another region's):
+    /// a pool of two.
+    pub fn remote(database_url: DatabaseUrl) -> Self {
+        Self { database_url, pool_size: 2 }
+    }
+
     /// The settings as flags-less start-up would see them: environment, then defaults.
     pub fn from_env() -> Result<Self, clap::Error> {
         #[derive(Parser)]
@@ -365,7 +375,7 @@ pub struct ServeSettings {
     #[arg(long = "max-connections", env = "KEYFENCE_MAX_CONNECTIONS", default_value_t = 1024,
           value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u32).range(1..), |n| n as usize))]
     pub max_connections: usize,
-    /// Connections served at once from one peer address (an IPv6 address: its /64); more are closed at
+    /// Connections served at once from one peer address; more are closed at
     /// once (behind a load balancer every connection comes from its few addresses: raise this to
     /// max-connections, and cap per client address at the load balancer).
     #[arg(long = "max-connections-per-address", env = "KEYFENCE_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = 64,

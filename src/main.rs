@@ -160,9 +160,13 @@ struct PayArgs {
     /// The front door; comma-separate several regions' URLs to fail over in order.
     #[arg(long, env = "KEYFENCE_URL", value_delimiter = ',', default_value = "http://127.0.0.1:8080")]
     url: Vec<String>,
-    /// The client's API key.
-    #[arg(long = "api-key", env = "KEYFENCE_API_KEY", hide_env_values = true)]
-    api_key: String,
+    /// A file holding the client's API key; else KEYFENCE_API_KEY. Never the key itself as a flag:
+    /// a command line is visible to every user of the machine.
+    #[arg(long = "api-key-file", env = "KEYFENCE_API_KEY_FILE")]
+    api_key_file: Option<std::path::PathBuf>,
+    /// Refused: an API key on the command line (see --api-key-file).
+    #[arg(long = "api-key", hide = true)]
+    api_key_flag: Option<String>,
     /// The file's id, part of every line's key (default: the SHA-256 of its bytes).
     #[arg(long = "file-id")]
     file_id: Option<String>,
@@ -622,9 +626,16 @@ async fn pay(args: PayArgs) -> anyhow::Result<ExitCode> {
         results.push(".results.csv");
         std::path::PathBuf::from(results)
     };
+    let api_key = match api_key(args.api_key_flag.is_some(), args.api_key_file.as_deref()) {
+        Ok(key) => key,
+        Err(why) => {
+            eprintln!("keyfence pay: {why}; nothing was sent.");
+            return Ok(ExitCode::from(2));
+        }
+    };
     let submission = batch::Submission {
         regions: args.url,
-        api_key: args.api_key,
+        api_key,
         concurrency: usize::from(args.concurrency),
         deadline: std::time::Duration::from_secs(args.deadline_secs),
         results: args.results.unwrap_or_else(beside_the_file),
@@ -636,6 +647,25 @@ async fn pay(args: PayArgs) -> anyhow::Result<ExitCode> {
         println!("{summary}");
     }
     Ok(ExitCode::from(summary.exit_code()))
+}
+
+/// The client's API key, from `file` or else `KEYFENCE_API_KEY`; never
+/// from a flag (`flagged`: one was given), which every user of the machine
+/// could read in the process list.
+fn api_key(flagged: bool, file: Option<&std::path::Path>) -> Result<String, String> {
+    if flagged {
+        return Err("an API key is not taken from the command line, where every user of the machine can read it: \
+                    put it in KEYFENCE_API_KEY or in a file named by --api-key-file"
+            .into());
+    }
+    let key = match file {
+        Some(file) => std::fs::read_to_string(file)
+            .map_err(|e| format!("cannot read the API key from {}: {e}", file.display()))?
+            .trim()
+            .to_owned(),
+        None => std::env::var("KEYFENCE_API_KEY").map_err(|_| "no API key: set KEYFENCE_API_KEY or --api-key-file")?,
+    };
+    if key.is_empty() { Err("the API key is empty".into()) } else { Ok(key) }
 }
 
 /// Exit status 2 when the settings cannot work together.
@@ -697,7 +727,7 @@ async fn list_regions(
     let registry = store.read().await.context("reading the region registry")?;
     let fence = match ledger {
         Some(url) => {
-            let ledger = Ledger::connect(&LedgerSettings { database_url: url.clone() })
+            let ledger = Ledger::connect(&LedgerSettings::remote(url.clone()))
                 .await
                 .with_context(|| format!("connecting to {url}"))?;
             Some(ledger.region_fence().await.with_context(|| format!("reading the region fence of {url}"))?)
@@ -728,7 +758,7 @@ async fn declare(args: DeclareArgs, state: RegionState) -> anyhow::Result<()> {
     let store = RegionStore::new(keystore::connect(&args.keys).await, args.keys.table.clone());
     let ledger = match &args.ledger {
         Some(url) => {
-            let settings = LedgerSettings { database_url: url.clone() };
+            let settings = LedgerSettings::remote(url.clone());
             Some(Ledger::connect(&settings).await.with_context(|| format!("connecting to {url}"))?)
         }
         None => None,
@@ -962,6 +992,7 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                 "copied": done.older_clients.copied,
                 "kept": done.older_clients.kept,
                 "dropped": done.older_clients.dropped,
+                "revocations": done.older_clients.revocations,
             },
         });
         println!("{report}");
@@ -984,6 +1015,9 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                  runs this one: keyfence migrate --drop-older-clients",
                 older.kept
             );
+        }
+        if older.revocations > 0 {
+            println!("{} revocation(s) made in the older layout carried into client records", older.revocations);
         }
         if older.dropped > 0 {
             println!("{} item(s) of the older layout deleted", older.dropped);

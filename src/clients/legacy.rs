@@ -32,6 +32,9 @@ pub struct Carried {
     pub kept: usize,
     /// Older items deleted by this run.
     pub dropped: usize,
+    /// Revocations made in the older layout after it was copied, carried
+    /// into the records.
+    pub revocations: usize,
 }
 
 impl ClientStore {
@@ -42,17 +45,21 @@ impl ClientStore {
         let mut carried = Carried::default();
         for (pk, item) in &clients {
             if item.contains_key("copied_at") {
+                // Revoked with an older CLI since it was copied (during an
+                // upgrade, in a hurry): the record is revoked too.
+                if item.contains_key("revoked_at") {
+                    let id = text(item, "client_id")?;
+                    self.revoke(id.parse().map_err(|_| ClientsError::Malformed("client_id".into()))?).await?;
+                    carried.revocations += 1;
+                }
                 continue;
             }
             let digest = pk.trim_start_matches(CLIENT);
-            let text = |name: &str| match item.get(name) {
-                Some(AttributeValue::S(value)) => Ok(value.clone()),
-                _ => Err(ClientsError::Malformed(name.to_owned())),
-            };
-            let id: ClientId = text("client_id")?.parse().map_err(|_| ClientsError::Malformed("client_id".into()))?;
+            let id: ClientId =
+                text(item, "client_id")?.parse().map_err(|_| ClientsError::Malformed("client_id".into()))?;
             let record = ClientRecord {
                 id,
-                name: text("name")?,
+                name: text(item, "name")?.to_owned(),
                 created_at: number(item, "created_at")?.unwrap_or_default(),
                 revoked_at: number(item, "revoked_at")?,
                 keys: Vec::new(),
@@ -69,6 +76,7 @@ impl ClientStore {
                 .table_name(self.table())
                 .key("pk", s(pk.as_str()))
                 .update_expression("SET copied_at = :at")
+                .condition_expression("attribute_exists(pk)")
                 .expression_attribute_values(":at", AttributeValue::N(crate::domain::Millis::now().get().to_string()))
                 .send()
                 .await
@@ -101,7 +109,10 @@ impl ClientStore {
         if carried.is_empty() {
             return Ok(());
         }
-        let sets: Vec<String> = carried.keys().map(|value| format!("{} = {value}", &value[1..])).collect();
+        // Only what the record lacks: a run cut short and run again copies
+        // nothing over changes made to the record since.
+        let sets: Vec<String> =
+            carried.keys().map(|value| format!("{0} = if_not_exists({0}, {value})", &value[1..])).collect();
         self.client()
             .update_item()
             .table_name(self.table())
@@ -146,5 +157,12 @@ impl ClientStore {
                 return Ok((clients, profiles));
             }
         }
+    }
+}
+
+fn text<'a>(item: &'a Attrs, name: &str) -> Result<&'a str, ClientsError> {
+    match item.get(name) {
+        Some(AttributeValue::S(value)) => Ok(value),
+        _ => Err(ClientsError::Malformed(name.to_owned())),
     }
 }

@@ -211,8 +211,12 @@ where
         Ok((_, looked)) => looked.map_err(ClientsError::Store),
         Err(guard) => {
             let loaded = load().await;
-            let shared = loaded.as_ref().map(Clone::clone).map_err(ToString::to_string);
-            let _ = guard.insert((Instant::now(), shared));
+            // Past the budget for new keys is no outcome to share: the next
+            // caller may find a token free (and the check reads nothing).
+            if !matches!(loaded, Err(ClientsError::Busy)) {
+                let shared = loaded.as_ref().map(Clone::clone).map_err(ToString::to_string);
+                let _ = guard.insert((Instant::now(), shared));
+            }
             loaded
         }
     }

@@ -53,7 +53,7 @@ impl Ledger {
     /// Connects a pool to the configured database.
     pub async fn connect(settings: &LedgerSettings) -> Result<Self, LedgerError> {
         let pool = PgPoolOptions::new()
-            .max_connections(20)
+            .max_connections(settings.pool_size)
             .acquire_timeout(ACQUIRE_TIMEOUT)
             // No ping before each use: it is a round trip per phase, and a
             // connection that died in the pool fails its first statement

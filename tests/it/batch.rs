@@ -129,3 +129,30 @@ async fn a_malformed_line_rejects_the_whole_file_before_anything_is_sent() {
     assert_eq!(app.e2.statement().await.len(), 0);
     assert_eq!(count(&app, "SELECT count(*) FROM payments").await, 0);
 }
+
+/// The API key is never taken from the command line (every user of the
+/// machine can read it there): `--api-key` is refused before anything is
+/// sent; a key file works like the environment.
+#[tokio::test]
+async fn the_api_key_comes_from_a_file_or_the_environment_never_the_command_line() {
+    let app = spawn_app_with(|_| {}).await;
+    let dir = scratch();
+    let file = dir.join("payments.csv");
+    std::fs::write(&file, HEADER.to_owned() + &line(1)).unwrap();
+    let results = dir.join("results.csv");
+
+    let mut flagged = pay_file(&app, &file, &results);
+    flagged.env_remove("KEYFENCE_API_KEY").args(["--api-key", &app.api_key]);
+    let out = flagged.output().await.unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KEYFENCE_API_KEY or in a file"), "says what to do");
+    assert!(app.e2.statement().await.is_empty(), "nothing was sent");
+
+    let key_file = dir.join("api-key");
+    std::fs::write(&key_file, format!("{}\n", app.api_key)).unwrap();
+    let mut from_file = pay_file(&app, &file, &results);
+    from_file.env_remove("KEYFENCE_API_KEY").args(["--api-key-file", key_file.to_str().unwrap()]);
+    let out = from_file.output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(app.e2.statement().await.len(), 1);
+}

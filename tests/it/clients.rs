@@ -130,9 +130,25 @@ async fn migrate_moves_clients_of_the_older_layout_into_their_records() {
     let again = cli(&app, &["migrate"]).await;
     assert!(!again.contains("copied into"), "{again}");
     assert_eq!(app.clients().profile(id).await.unwrap().max_amount_minor, Some(9000), "nothing copied over it");
+    let paid = app.pay_as(key.reveal(), "old-layout-2", &payment("E2E-OLD-LAYOUT-2")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED, "the key pays on");
+
+    // Revoked with an older CLI meanwhile: the next migrate carries it over.
+    dynamo
+        .update_item()
+        .table_name(table)
+        .key("pk", s(&format!("control#client#{}", key.digest())))
+        .update_expression("SET revoked_at = :at")
+        .expression_attribute_values(":at", AttributeValue::N("2".into()))
+        .send()
+        .await
+        .unwrap();
+    let carried = cli(&app, &["migrate"]).await;
+    assert!(carried.contains("1 revocation(s) made in the older layout carried"), "{carried}");
     let dropped = cli(&app, &["migrate", "--drop-older-clients"]).await;
     assert!(dropped.contains("2 item(s) of the older layout deleted"), "{dropped}");
     assert!(old_profile().await.unwrap().item().is_none(), "the old items are gone");
-    let paid = app.pay_as(key.reveal(), "old-layout-2", &payment("E2E-OLD-LAYOUT-2")).await;
-    assert_eq!(paid.status(), StatusCode::CREATED, "and the key pays on");
+    tokio::time::sleep(CACHE_FOR).await;
+    let refused = app.pay_as(key.reveal(), "old-layout-3", &payment("E2E-OLD-LAYOUT-3")).await;
+    assert_eq!(refused.status(), StatusCode::UNAUTHORIZED, "the revocation held");
 }

@@ -293,3 +293,14 @@ async fn a_fence_change_for_another_region_is_refused() {
     assert!(matches!(wrong, Err(LedgerError::OtherRegion { .. })), "{wrong:?}");
     assert!(db.ledger.set_region_fence(true, "r-1", 9, "failed r-1").await.is_ok());
 }
+
+/// The ledger pool is as large as `KEYFENCE_LEDGER_POOL_SIZE` says.
+#[tokio::test]
+async fn the_ledger_pool_has_the_size_it_is_given() {
+    let db = TestLedger::new().await;
+    let mut settings = db.settings.clone();
+    settings.pool_size = 3;
+    let ledger = Ledger::connect(&settings).await.unwrap();
+    assert_eq!(ledger.pool().options().get_max_connections(), 3);
+    assert_eq!(db.ledger.pool().options().get_max_connections(), 20, "20 unless told");
+}
