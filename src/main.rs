@@ -28,7 +28,7 @@ enum Command {
     /// Run the front door: POST /v1/payments and friends.
     Serve(Box<ServeSettings>),
     /// Create the key table and apply the ledger's migrations (idempotent).
-    Migrate(MigrateArgs),
+    Migrate(Box<MigrateArgs>),
     /// Manage API clients.
     #[command(subcommand)]
     Clients(ClientsCommand),
@@ -257,8 +257,8 @@ enum RegionsCommand {
         #[arg(long)]
         json: bool,
         /// A region's ledger: show its own region fence too (failed or open, at which epoch).
-        #[arg(long = "ledger")]
-        ledger: Option<keyfence::config::DatabaseUrl>,
+        #[command(flatten)]
+        ledger: RemoteLedger,
     },
     /// Declare a region failed: its instances stop claiming and committing
     /// within a second, and other regions take its requests over.
@@ -280,10 +280,49 @@ struct DeclareArgs {
     by: Option<String>,
     /// The region's own ledger, if it can still be reached: fenced (or
     /// unfenced) too, so its phases stop in the transaction that would commit them.
-    #[arg(long = "ledger")]
-    ledger: Option<keyfence::config::DatabaseUrl>,
+    #[command(flatten)]
+    ledger: RemoteLedger,
     #[command(flatten)]
     keys: KeyStoreSettings,
+}
+
+/// A region's ledger named on the command line, which every user of the
+/// machine can read: its URL there must hold no password. One that does
+/// comes from a file or from KEYFENCE_REGION_LEDGER_URL.
+#[derive(Args)]
+struct RemoteLedger {
+    /// The region's ledger URL, without a password.
+    #[arg(long = "ledger")]
+    ledger: Option<String>,
+    /// A file holding the region's ledger URL (which may hold a password); else KEYFENCE_REGION_LEDGER_URL.
+    #[arg(long = "ledger-file", conflicts_with = "ledger")]
+    ledger_file: Option<std::path::PathBuf>,
+}
+
+impl RemoteLedger {
+    /// The ledger named, if any; a password on the command line is refused
+    /// (and not repeated).
+    fn url(&self) -> anyhow::Result<Option<keyfence::config::DatabaseUrl>> {
+        let raw = match (&self.ledger, &self.ledger_file) {
+            (Some(url), _) => {
+                let with_password = reqwest::Url::parse(url).is_ok_and(|u| u.password().is_some());
+                anyhow::ensure!(
+                    !with_password,
+                    "a ledger URL with a password is not taken from the command line, where every user of the \
+                     machine can read it: put it in a file named by --ledger-file, or in KEYFENCE_REGION_LEDGER_URL"
+                );
+                Some(url.clone())
+            }
+            (None, Some(file)) => Some(
+                std::fs::read_to_string(file)
+                    .with_context(|| format!("reading the ledger URL from {}", file.display()))?
+                    .trim()
+                    .to_owned(),
+            ),
+            (None, None) => std::env::var("KEYFENCE_REGION_LEDGER_URL").ok().filter(|url| !url.is_empty()),
+        };
+        raw.map(|raw| raw.parse().map_err(|e: String| anyhow::anyhow!("the ledger URL: {e}"))).transpose()
+    }
 }
 
 /// API clients are global: created once, they work in every region.
@@ -425,7 +464,7 @@ async fn main() -> anyhow::Result<ExitCode> {
     let done = |result: anyhow::Result<()>| result.map(|()| ExitCode::SUCCESS);
     let outcome = match cli.command {
         Command::Serve(settings) => serve(*settings).await,
-        Command::Migrate(args) => done(migrate(args).await),
+        Command::Migrate(args) => done(migrate(*args).await),
         Command::Clients(ClientsCommand::Add { name, accounts, keys, json }) => {
             done(add_client(&name, &accounts, &keys, json).await)
         }
@@ -450,7 +489,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Clients(ClientsCommand::Keys { id, keys, json }) => done(list_keys(id, &keys, json).await),
         Command::Maintain(args) => done(maintain(args).await),
         Command::Regions(RegionsCommand::List { keys, json, ledger }) => {
-            done(list_regions(&keys, ledger.as_ref(), json).await)
+            done(async { list_regions(&keys, ledger.url()?.as_ref(), json).await }.await)
         }
         Command::Regions(RegionsCommand::Fail(args)) => done(declare(args, RegionState::Failed).await),
         Command::Regions(RegionsCommand::Restore(args)) => done(declare(args, RegionState::Active).await),
@@ -756,7 +795,7 @@ async fn list_regions(
 
 async fn declare(args: DeclareArgs, state: RegionState) -> anyhow::Result<()> {
     let store = RegionStore::new(keystore::connect(&args.keys).await, args.keys.table.clone());
-    let ledger = match &args.ledger {
+    let ledger = match &args.ledger.url()? {
         Some(url) => {
             let settings = LedgerSettings::remote(url.clone());
             Some(Ledger::connect(&settings).await.with_context(|| format!("connecting to {url}"))?)

@@ -35,3 +35,34 @@ async fn each_subcommand_offers_only_its_own_settings() {
         assert!(!help("recover").await.contains(flag) && !help("reconcile").await.contains(flag));
     }
 }
+
+/// A ledger URL with a password is never taken from the command line
+/// (every user of the machine can read it there): refused without being
+/// repeated, and nothing declared. The same URL from a file works.
+#[tokio::test]
+async fn a_ledger_password_is_refused_on_the_command_line_and_taken_from_a_file() {
+    let app = crate::app::spawn_app().await;
+    let secret_url = "postgres://keyfence:hunter2-secret@127.0.0.1:5432/elsewhere";
+    let out = crate::process::keyfence_command(&app, "regions")
+        .args(["fail", "--region", "test-9", "--reason", "drill", "--ledger", secret_url])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--ledger-file") && !stderr.contains("hunter2"), "{stderr}");
+    let store = keyfence::regions::RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    assert_eq!(store.read().await.unwrap().state_of("test-9").as_str(), "active", "nothing declared");
+
+    let file = std::env::temp_dir().join(format!("keyfence-ledger-{}", uuid::Uuid::new_v4()));
+    std::fs::write(&file, &app.db.url).unwrap();
+    let out = crate::process::keyfence_command(&app, "regions")
+        .args(["list", "--ledger-file", file.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("ledger fence: open"), "{stdout}");
+    std::fs::remove_file(file).unwrap();
+}
