@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::ClientRecord;
-use super::store::{Attrs, ClientStore, ClientsError, number, record_pk, s, store};
+use super::store::{Attrs, ClientStore, ClientsError, number, record_pk, s, store, text};
 use crate::domain::ClientId;
 
 pub(super) const CLIENT: &str = "control#client#";
@@ -157,12 +157,5 @@ impl ClientStore {
                 return Ok((clients, profiles));
             }
         }
-    }
-}
-
-fn text<'a>(item: &'a Attrs, name: &str) -> Result<&'a str, ClientsError> {
-    match item.get(name) {
-        Some(AttributeValue::S(value)) => Ok(value),
-        _ => Err(ClientsError::Malformed(name.to_owned())),
     }
 }

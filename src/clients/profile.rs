@@ -86,13 +86,15 @@ impl ClientStore {
         Ok(self.record(id).await?.map(|(_, profile)| profile).unwrap_or_default())
     }
 
+    /// The profile of client `id`, which must exist.
+    async fn existing_profile(&self, id: ClientId) -> Result<Profile, ClientsError> {
+        self.record(id).await?.map(|(_, profile)| profile).ok_or(ClientsError::Unknown(id))
+    }
+
     /// Adds (or with `add` false, removes) accounts, in normal form.
     pub async fn change_accounts(&self, id: ClientId, accounts: &[String], add: bool) -> Result<Profile, ClientsError> {
         if accounts.is_empty() {
-            return match self.record(id).await? {
-                Some((_, profile)) => Ok(profile),
-                None => Err(ClientsError::Unknown(id)),
-            };
+            return self.existing_profile(id).await;
         }
         let verb = if add { "ADD" } else { "DELETE" };
         let mut values = HashMap::new();
@@ -118,10 +120,7 @@ impl ClientStore {
             }
         }
         if values.is_empty() {
-            return match self.record(id).await? {
-                Some((_, profile)) => Ok(profile),
-                None => Err(ClientsError::Unknown(id)),
-            };
+            return self.existing_profile(id).await;
         }
         let sets: Vec<String> = values.keys().map(|value| format!("{} = {value}", &value[1..])).collect();
         self.update(id, &format!("SET {}", sets.join(", ")), values).await

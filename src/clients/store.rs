@@ -295,7 +295,7 @@ fn malformed(name: &str) -> ClientsError {
     ClientsError::Malformed(name.to_owned())
 }
 
-fn text<'a>(item: &'a Attrs, name: &str) -> Result<&'a str, ClientsError> {
+pub(super) fn text<'a>(item: &'a Attrs, name: &str) -> Result<&'a str, ClientsError> {
     match item.get(name) {
         Some(AttributeValue::S(value)) => Ok(value),
         _ => Err(malformed(name)),
