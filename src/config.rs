@@ -25,13 +25,19 @@ pub struct KeyStoreSettings {
     /// DynamoDB endpoint; unset means AWS itself. Local: http://127.0.0.1:4566.
     #[arg(long, env = "AWS_ENDPOINT_URL")]
     pub aws_endpoint_url: Option<String>,
-    /// AWS region of the key table.
-    #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
-    pub aws_region: String,
-    /// Attempts per key-store request, the first included (SDK standard retry mode).
-    #[arg(long = "keystore-attempts", env = "KEYFENCE_KEYSTORE_ATTEMPTS", default_value_t = 3,
+    /// AWS region of the key table. Unset: the SDK's region chain (AWS_DEFAULT_REGION, the
+    /// profile, the instance's metadata); us-east-1 for a loopback endpoint.
+    #[arg(long, env = "AWS_REGION")]
+    pub aws_region: Option<String>,
+    /// Sign with made-up credentials when none are configured: for an emulator that is not on
+    /// loopback (a loopback endpoint gets them anyway). Never for AWS.
+    #[arg(long = "aws-dummy-credentials", env = "KEYFENCE_AWS_DUMMY_CREDENTIALS")]
+    pub dummy_credentials: bool,
+    /// Attempts per key-store request, the first included (SDK standard retry mode). Unset:
+    /// AWS_MAX_ATTEMPTS or the profile's max_attempts, else 3.
+    #[arg(long = "keystore-attempts", env = "KEYFENCE_KEYSTORE_ATTEMPTS",
           value_parser = clap::value_parser!(u32).range(1..=10))]
-    pub max_attempts: u32,
+    pub max_attempts: Option<u32>,
     /// Time limit of one key-store attempt, in milliseconds.
     #[arg(long = "keystore-attempt-timeout-ms", env = "KEYFENCE_KEYSTORE_ATTEMPT_TIMEOUT_MS",
           default_value = "5000", value_parser = parse_millis)]
@@ -56,6 +62,12 @@ pub struct LedgerSettings {
 }
 
 impl KeyStoreSettings {
+    /// Whether the key table is an emulator on this machine (the endpoint is
+    /// a loopback address): only then do local-development defaults apply.
+    pub fn local_endpoint(&self) -> bool {
+        self.aws_endpoint_url.as_deref().is_some_and(is_loopback_url)
+    }
+
     /// The settings as flags-less start-up would see them: environment, then defaults.
     pub fn from_env() -> Result<Self, clap::Error> {
         #[derive(Parser)]
@@ -65,6 +77,15 @@ impl KeyStoreSettings {
         }
         Ok(Only::try_parse_from(["keyfence"])?.settings)
     }
+}
+
+/// Whether `url` names this machine: `localhost`, 127.0.0.0/8 or `::1`.
+fn is_loopback_url(url: &str) -> bool {
+    let Some(host) = reqwest::Url::parse(url).ok().and_then(|u| u.host_str().map(str::to_owned)) else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 impl LedgerSettings {
@@ -149,6 +170,23 @@ fn parse_millis(raw: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_loopback_endpoint_is_local() {
+        for url in ["http://127.0.0.1:4566", "http://localhost:4566", "http://[::1]:4566", "http://127.8.9.10"] {
+            assert!(is_loopback_url(url), "{url}");
+        }
+        for url in [
+            "https://dynamodb.eu-west-1.amazonaws.com",
+            "https://vpce-0a1b.dynamodb.eu-west-1.vpce.amazonaws.com",
+            "http://localstack:4566",
+            "http://10.0.0.5:4566",
+            "http://localhost.example.com",
+            "not a url",
+        ] {
+            assert!(!is_loopback_url(url), "{url}");
+        }
+    }
 
     #[test]
     fn database_url_hides_its_password() {
@@ -343,6 +381,11 @@ impl EngineConfig {
 pub struct ServeSettings {
     #[command(flatten)]
     pub engine: EngineConfig,
+    /// The settings left at their local-development defaults (their
+    /// variables' names), which the command line fills in: outside a local
+    /// endpoint `serve` refuses to start on them.
+    #[arg(skip)]
+    pub defaulted: Vec<&'static str>,
     /// Address to listen on.
     #[arg(long, env = "KEYFENCE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: std::net::SocketAddr,

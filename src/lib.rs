@@ -22,11 +22,13 @@
 //!   resuming stale requests, repairing divergence, reaping expired keys.
 //! - [`batch`]: `keyfence pay --file`, paying a file's lines through the
 //!   client library (the `keyfence-client` crate) under deterministic keys.
-//! - [`config`], [`startup`], [`telemetry`], [`metrics`], [`bench`]: settings, building
-//!   the service, logs and trace export, Prometheus metrics, load measurement.
+//! - [`config`], [`startup`], [`telemetry`], [`metrics`]: settings, building
+//!   the service, logs and trace export, Prometheus metrics.
+//!
+//! The `keyfence` binary (`src/cli/`) serves and operates; the benchmarks
+//! and the rail simulator's command are in `keyfence-tools` (`tools/`).
 
 pub mod batch;
-pub mod bench;
 pub mod clients;
 pub mod config;
 pub mod domain;

@@ -25,6 +25,12 @@ use crate::{expiry, recovery};
 pub enum StartupError {
     #[error("key store: {0}")]
     KeyStore(#[from] KeyStoreError),
+    /// The key table's client could not be made: nothing was started.
+    #[error("key store: {0}")]
+    Connect(#[from] keystore::ConnectError),
+    /// An existing key table keyfence cannot work on, and why.
+    #[error("the key table is not as keyfence needs it:\n  {}", .0.join("\n  "))]
+    Table(Vec<String>),
     #[error("ledger: {0}")]
     Ledger(#[from] LedgerError),
     #[error("clients: {0}")]
@@ -40,10 +46,21 @@ pub enum StartupError {
 /// declared failed stops claiming and committing within this delay.
 pub const REGION_VIEW_AGE: Duration = Duration::from_secs(1);
 
+/// What `keyfence migrate` may do beyond the ledger's migrations.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MigrateOptions {
+    /// Create the key table even where the endpoint is not local (AWS).
+    pub create_table: bool,
+    /// Delete the older layout's client items once copied.
+    pub drop_older_clients: bool,
+}
+
 /// What `keyfence migrate` did to each store.
 #[derive(Debug)]
 pub struct Migrated {
     pub table: TableChange,
+    /// What an operator should know about a table that was only checked.
+    pub table_notes: Vec<String>,
     pub ledger: MigrationReport,
     /// Clients found in the ledger (from before clients were global), now
     /// in the key table.
@@ -59,10 +76,19 @@ pub struct Migrated {
 pub async fn migrate(
     keys: &KeyStoreSettings,
     ledger: &LedgerSettings,
-    drop_older_clients: bool,
+    options: MigrateOptions,
 ) -> Result<Migrated, StartupError> {
-    let client = keystore::connect(keys).await;
-    let table = keystore::ensure_table(&client, &keys.table).await?;
+    let client = keystore::connect(keys).await?;
+    let (table, table_notes) = if keys.local_endpoint() || options.create_table {
+        (keystore::ensure_table(&client, &keys.table).await?, Vec::new())
+    } else {
+        let check = keystore::check_table(&client, &keys.table).await?;
+        if !check.problems.is_empty() {
+            return Err(StartupError::Table(check.problems));
+        }
+        (TableChange::Checked, check.notes)
+    };
+    let drop_older_clients = options.drop_older_clients;
     let (regional, ledger) = Ledger::migrate(ledger).await?;
     // Clients used to live in each ledger; they are global now.
     let directory = ClientStore::new(client, keys.table.clone());
@@ -72,12 +98,12 @@ pub async fn migrate(
         directory.put(record, &digest).await?;
         clients_copied += 1;
     }
-    Ok(Migrated { table, ledger, clients_copied, older_clients })
+    Ok(Migrated { table, table_notes, ledger, clients_copied, older_clients })
 }
 
 /// The engine over the configured stores and rails.
 pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore>, StartupError> {
-    let client = keystore::connect(&config.keys).await;
+    let client = keystore::connect(&config.keys).await?;
     let regions = RegionView::new(RegionStore::new(client.clone(), config.keys.table.clone()), REGION_VIEW_AGE);
     let keys = DynamoKeyStore::new(client, config.keys.table.clone());
     let ledger = Ledger::connect(&config.ledger).await?;
@@ -114,7 +140,15 @@ pub struct Application {
 impl Application {
     /// Builds it, refusing settings that cannot work together.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
-        let conflicts = settings.engine.conflicts();
+        let mut conflicts = settings.engine.conflicts();
+        if !settings.engine.keys.local_endpoint() && !settings.defaulted.is_empty() {
+            conflicts.push(format!(
+                "{} left at the local-development default outside a local endpoint (AWS_ENDPOINT_URL is {}): set \
+                 each explicitly for this region",
+                settings.defaulted.join(" and "),
+                settings.engine.keys.aws_endpoint_url.as_deref().unwrap_or("unset, so AWS itself"),
+            ));
+        }
         if !conflicts.is_empty() {
             return Err(StartupError::Settings(conflicts));
         }

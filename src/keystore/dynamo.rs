@@ -32,32 +32,59 @@ use crate::metrics::Timer;
 
 type Attrs = HashMap<String, AttributeValue>;
 
-/// Builds the DynamoDB client every command uses: region and endpoint from
-/// the settings (which read `AWS_REGION` and `AWS_ENDPOINT_URL`), the SDK's
-/// standard retry mode with bounded attempts, and per-attempt timeouts so a
-/// hung connection becomes a retry rather than a hung request.
-pub async fn connect(settings: &KeyStoreSettings) -> Client {
-    let mut loader = aws_config::defaults(BehaviorVersion::latest())
-        .region(Region::new(settings.aws_region.clone()))
-        .retry_config(
-            RetryConfig::standard()
-                .with_max_attempts(settings.max_attempts)
-                .with_initial_backoff(Duration::from_millis(25)),
-        )
-        .timeout_config(
-            TimeoutConfig::builder()
-                .connect_timeout(Duration::from_secs(3))
-                .operation_attempt_timeout(settings.attempt_timeout)
-                .build(),
-        );
+/// The region a loopback endpoint is given when none is set.
+const LOCAL_REGION: &str = "us-east-1";
+
+/// The key table's client could not be made from the settings.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("no AWS region for the key table: set AWS_REGION (or --aws-region), or a region in the AWS profile")]
+    NoRegion,
+}
+
+/// Builds the DynamoDB client every command uses. Region, credentials and
+/// retries come from the SDK's own chains (environment, profile, web
+/// identity, container and instance credentials), so keyfence runs on EKS,
+/// ECS or EC2 as any AWS service does; settings given to keyfence override
+/// them. Only a loopback endpoint (an emulator on this machine), or one
+/// marked with `--aws-dummy-credentials`, is given made-up credentials and a
+/// default region. Retries use the SDK's standard mode with a short first
+/// back-off, and each attempt has a time limit, so a hung connection becomes
+/// a retry rather than a hung request.
+pub async fn connect(settings: &KeyStoreSettings) -> Result<Client, ConnectError> {
+    let local = settings.local_endpoint();
+    let mut loader = aws_config::defaults(BehaviorVersion::latest()).timeout_config(
+        TimeoutConfig::builder()
+            .connect_timeout(Duration::from_secs(3))
+            .operation_attempt_timeout(settings.attempt_timeout)
+            .build(),
+    );
+    // A local endpoint never asks the instance metadata service for a region.
+    match (&settings.aws_region, local) {
+        (Some(region), _) => loader = loader.region(Region::new(region.clone())),
+        (None, true) => loader = loader.region(Region::new(LOCAL_REGION)),
+        (None, false) => {}
+    }
     if let Some(endpoint) = &settings.aws_endpoint_url {
         loader = loader.endpoint_url(endpoint);
-        // A local endpoint needs some credentials but never real ones.
-        if std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none() {
-            loader = loader.credentials_provider(Credentials::new("test", "test", None, None, "keyfence-local"));
-        }
     }
-    Client::new(&loader.load().await)
+    let configured = ["AWS_ACCESS_KEY_ID", "AWS_PROFILE"].iter().any(|v| std::env::var_os(v).is_some());
+    if (local || settings.dummy_credentials) && !configured {
+        loader = loader.credentials_provider(Credentials::new("test", "test", None, None, "keyfence-local"));
+    }
+    let shared = loader.load().await;
+    if shared.region().is_none() {
+        return Err(ConnectError::NoRegion);
+    }
+    // AWS_MAX_ATTEMPTS and the profile's max_attempts count unless keyfence's own is set.
+    let retry = shared.retry_config().cloned().unwrap_or_else(RetryConfig::standard);
+    let retry = match settings.max_attempts {
+        Some(attempts) => retry.with_max_attempts(attempts),
+        None => retry,
+    };
+    let config = aws_sdk_dynamodb::config::Builder::from(&shared)
+        .retry_config(retry.with_initial_backoff(Duration::from_millis(25)));
+    Ok(Client::from_conf(config.build()))
 }
 
 #[derive(Clone, Debug)]

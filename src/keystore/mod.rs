@@ -24,13 +24,13 @@ use uuid::Uuid;
 
 use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
-pub use dynamo::{DynamoKeyStore, connect};
+pub use dynamo::{ConnectError, DynamoKeyStore, connect};
 pub use error::KeyStoreError;
 pub use handoff::Handoff;
 pub use item::attr::{INFLIGHT as INDEX_PARTITION, LEASE_UNTIL as INDEX_SORT};
 pub use item::{CONTROL_PREFIX, INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};
 pub use memory::MemoryKeyStore;
-pub use table::{INFLIGHT_INDEX, TableChange, delete_table, ensure_table};
+pub use table::{INFLIGHT_INDEX, Schema, TableChange, TableCheck, check_table, delete_table, ensure_table};
 
 /// A lease as the caller sees it: taken at `now`, held for `length`.
 #[derive(Clone, Copy, Debug)]

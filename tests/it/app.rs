@@ -137,6 +137,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
     let mut settings = ServeSettings {
+        defaulted: Vec::new(),
         engine: EngineConfig {
             keys: keys.settings.clone(),
             ledger: db.settings.clone(),

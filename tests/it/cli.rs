@@ -13,14 +13,10 @@ async fn help(subcommand: &str) -> String {
 async fn each_subcommand_offers_only_its_own_settings() {
     let front_door = ["--listen", "--body-limit", "--header-timeout-ms", "--max-connections", "--public-url"];
     let workers = ["--recovery-interval-ms", "--expire-interval-ms"];
-    let protocol = ["--lease-ms", "--retention-hours", "--max-unknown-attempts", "--instance"];
-    let rails = ["--e1-url", "--rail-timeout-ms"];
-    let cases: [(&str, &[&str], Vec<&str>); 5] = [
+    let cases: [(&str, &[&str], Vec<&str>); 3] = [
         ("serve", &["--listen", "--lease-ms", "--e1-url", "--table", "--database-url"], vec![]),
         ("recover", &["--lease-ms", "--e1-url", "--table"], front_door.to_vec()),
         ("reconcile", &["--repair", "--lease-ms", "--table"], front_door.to_vec()),
-        ("bench", &["--url", "--e1-url", "--table", "--database-url"], [&front_door[..], &protocol[..]].concat()),
-        ("bench-reconcile", &["--sizes", "--region", "--table"], [&front_door[..], &protocol[..], &rails[..]].concat()),
     ];
     for (subcommand, offered, absent) in cases {
         let text = help(subcommand).await;
@@ -33,6 +29,22 @@ async fn each_subcommand_offers_only_its_own_settings() {
     }
     for flag in workers {
         assert!(!help("recover").await.contains(flag) && !help("reconcile").await.contains(flag));
+    }
+}
+
+/// The serving binary serves and operates: the benchmarks and the rail
+/// simulator are `keyfence-tools`' commands, not its own.
+#[tokio::test]
+async fn the_serving_binary_offers_no_tools() {
+    let out = Command::new(env!("CARGO_BIN_EXE_keyfence")).arg("--help").output().await.unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    for command in ["serve", "migrate", "reconcile", "pay"] {
+        assert!(text.contains(command), "keyfence --help lacks {command}");
+    }
+    for tool in ["bench", "rail-sim"] {
+        assert!(!text.contains(tool), "keyfence --help offers {tool}: {text}");
+        let out = Command::new(env!("CARGO_BIN_EXE_keyfence")).args([tool, "--help"]).output().await.unwrap();
+        assert!(!out.status.success(), "keyfence {tool} still runs");
     }
 }
 

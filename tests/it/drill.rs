@@ -224,7 +224,7 @@ async fn a_region_cut_off_from_the_key_table_while_running_changes_nothing_once_
     let mut a_settings = app.settings.clone();
     a_settings.engine.keys.aws_endpoint_url = Some(format!("http://{}", proxy.addr));
     a_settings.engine.keys.attempt_timeout = Duration::from_millis(500);
-    a_settings.engine.keys.max_attempts = 2;
+    a_settings.engine.keys.max_attempts = Some(2);
     let (a_url, _a) = start_instance(&a_settings).await;
     app.e1.set_faults(serde_json::json!({ "latency_ms": 200 })).await;
     let urls = [a_url.clone(), b.url.clone()];

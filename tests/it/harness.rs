@@ -27,7 +27,7 @@ impl TestKeys {
         settings.table = format!("keyfence-test-{}", Uuid::new_v4().simple());
         // Hundreds of racers queue at the emulator, which serves one request at a time.
         settings.attempt_timeout = Duration::from_secs(30);
-        let client = keystore::connect(&settings).await;
+        let client = keystore::connect(&settings).await.unwrap();
         keystore::ensure_table(&client, &settings.table)
             .await
             .unwrap_or_else(|e| panic!("creating a test table (is the emulator running? scripts/test starts it): {e}"));
@@ -58,7 +58,7 @@ impl Drop for TestKeys {
     fn drop(&mut self) {
         let settings = self.settings.clone();
         cleanup(async move {
-            let client = keystore::connect(&settings).await;
+            let client = keystore::connect(&settings).await.unwrap();
             if let Err(e) = keystore::delete_table(&client, &settings.table).await {
                 eprintln!("could not delete test table {}: {e}", settings.table);
             }

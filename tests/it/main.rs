@@ -13,6 +13,7 @@ mod connections;
 #[cfg(feature = "failpoints")]
 mod crash;
 mod declines;
+mod deploy;
 #[cfg(feature = "failpoints")]
 mod drill;
 mod emulator;

@@ -21,7 +21,7 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
     command
         .arg(subcommand)
         .env("AWS_ENDPOINT_URL", keys.aws_endpoint_url.as_deref().unwrap_or("http://127.0.0.1:4566"))
-        .env("AWS_REGION", &keys.aws_region)
+        .env("AWS_REGION", keys.aws_region.as_deref().unwrap_or("us-east-1"))
         .env("KEYFENCE_TABLE", &keys.table)
         .env("DATABASE_URL", &app.db.url)
         .env("KEYFENCE_LISTEN", "127.0.0.1:0")

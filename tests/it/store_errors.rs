@@ -33,7 +33,7 @@ async fn key_exists(app: &TestApp, key: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_transient_store_error_is_a_503_that_stores_nothing() {
-    let app = spawn_app_with(|s| s.engine.keys.max_attempts = ATTEMPTS).await;
+    let app = spawn_app_with(|s| s.engine.keys.max_attempts = Some(ATTEMPTS)).await;
     let codes = [
         "ThrottlingException",
         "ProvisionedThroughputExceededException",
@@ -60,7 +60,7 @@ async fn every_transient_store_error_is_a_503_that_stores_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_store_that_stops_answering_is_a_503_and_the_retry_finishes_once() {
     let app = spawn_app_with(|s| {
-        s.engine.keys.max_attempts = ATTEMPTS;
+        s.engine.keys.max_attempts = Some(ATTEMPTS);
         s.engine.keys.attempt_timeout = Duration::from_millis(300);
         s.engine.work.lease = Duration::from_millis(1000);
         (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);

@@ -67,21 +67,38 @@ async fn spans_of_a_payment_reach_the_otlp_collector_by_the_time_serve_stops() {
     }
 }
 
+/// A rail simulator that also keeps the `traceparent` of every request it
+/// is sent; returns its base URL.
+async fn tracing_rail(seen: Arc<Mutex<Vec<String>>>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let keep = axum::middleware::from_fn(move |request: axum::extract::Request, next: axum::middleware::Next| {
+        let seen = seen.clone();
+        async move {
+            if let Some(parent) = request.headers().get("traceparent").and_then(|v| v.to_str().ok()) {
+                seen.lock().unwrap().push(parent.to_owned());
+            }
+            next.run(request).await
+        }
+    });
+    let routes = keyfence::rail::sim::router(keyfence::rail::sim::Simulator::new("e2", None)).layer(keep);
+    tokio::spawn(async move { axum::serve(listener, routes).await.unwrap() });
+    url
+}
+
 /// A trace runs client → keyfence → rail: the caller's `traceparent` is the
-/// parent of the exported spans, and the rail receives the trace (the
-/// simulator logs the trace id it was sent).
+/// parent of the exported spans, and the rail receives the trace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callers_trace_runs_through_keyfence_to_the_rail() {
     let app = spawn_app().await;
     let received = Received::default();
     let endpoint = collector(received.clone()).await;
-    let mut rail = tokio::process::Command::new(env!("CARGO_BIN_EXE_keyfence"));
-    rail.args(["rail-sim", "--listen", "127.0.0.1:0", "--name", "e2"]).env("RUST_LOG", "info").kill_on_drop(true);
-    let (rail, rail_logs) = ServeProcess::spawn_logged(rail).await;
+    let rail_saw = Arc::new(Mutex::new(Vec::new()));
+    let rail_url = tracing_rail(rail_saw.clone()).await;
     let mut command = keyfence_command(&app, "serve");
     command
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
-        .env("KEYFENCE_E2_URL", &rail.url)
+        .env("KEYFENCE_E2_URL", &rail_url)
         .env("KEYFENCE_RECOVERY_INTERVAL_MS", "0")
         .env("RUST_LOG", "info,sqlx=warn");
     let mut serve = ServeProcess::spawn(command).await;
@@ -103,11 +120,8 @@ async fn a_callers_trace_runs_through_keyfence_to_the_rail() {
     let exported: Vec<u8> = received.lock().unwrap().iter().flat_map(|(_, _, body)| body.clone()).collect();
     let raw_id = hex::decode(trace_id).unwrap();
     assert!(exported.windows(raw_id.len()).any(|w| w == raw_id), "the exported spans carry the caller's trace id");
-    let logged = rail_logs.lines();
-    assert!(
-        logged.iter().any(|line| line.contains("instruction received") && line.contains(trace_id)),
-        "the rail received the trace: {logged:?}"
-    );
+    let rail_saw = rail_saw.lock().unwrap();
+    assert!(rail_saw.iter().any(|parent| parent.contains(trace_id)), "the rail received the trace: {rail_saw:?}");
 }
 
 /// With `KEYFENCE_LOG_FORMAT=json` every line is one JSON object, and no

@@ -1,33 +1,19 @@
 //! Plots of a front-door sweep: throughput and the serve process's CPU per
 //! request against concurrency, for payments, replays and their floors, drawn
-//! to PNG files. Text is set in a TrueType font read from the system (the
-//! DejaVu or Liberation sans faces most distributions ship), or from
-//! `KEYFENCE_PLOT_FONT`.
+//! as SVG files. Their text stays text, set by whatever shows them, so
+//! drawing needs no font on the machine.
 
 use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
-use plotters::style::FontStyle;
 
 use super::front_door::{Figures, Report};
 
-const FONT_PATHS: &[&str] = &[
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/TTF/DejaVuSans.ttf",
-    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-    "/System/Library/Fonts/Supplemental/Arial.ttf",
-];
-
 #[derive(Debug, thiserror::Error)]
-pub enum PlotError {
-    #[error(
-        "no font to label the plots with: set KEYFENCE_PLOT_FONT to a .ttf file \
-         (on Debian/Ubuntu: apt-get install fonts-dejavu-core)"
-    )]
-    NoFont,
-    #[error("drawing {path}: {reason}")]
-    Draw { path: PathBuf, reason: String },
+#[error("drawing {path}: {reason}")]
+pub struct PlotError {
+    path: PathBuf,
+    reason: String,
 }
 
 /// One line of a plot: a label, a colour, and a figure read off each run.
@@ -37,13 +23,12 @@ struct Series {
     value: fn(&Report) -> Option<f64>,
 }
 
-/// Draws `throughput.png` and `cpu.png` into `dir`, each with a panel for
+/// Draws `throughput.svg` and `cpu.svg` into `dir`, each with a panel for
 /// first requests and one for replays; returns their paths.
 pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
-    register_font()?;
     let pictures: [(PathBuf, &str, [Panel; 2]); 2] = [
         (
-            dir.join("throughput.png"),
+            dir.join("throughput.svg"),
             "requests per second",
             [
                 Panel {
@@ -63,7 +48,7 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
             ],
         ),
         (
-            dir.join("cpu.png"),
+            dir.join("cpu.svg"),
             "serve CPU ms per request",
             [
                 Panel {
@@ -79,8 +64,7 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
     ];
     let mut drawn = Vec::new();
     for (path, axis, panels) in pictures {
-        picture(runs, &path, axis, &panels)
-            .map_err(|e| PlotError::Draw { path: path.clone(), reason: e.to_string() })?;
+        picture(runs, &path, axis, &panels).map_err(|e| PlotError { path: path.clone(), reason: e.to_string() })?;
         drawn.push(path);
     }
     Ok(drawn)
@@ -97,7 +81,7 @@ fn cpu(figures: &Figures) -> Option<f64> {
 }
 
 fn picture(runs: &[Report], path: &Path, axis: &str, panels: &[Panel]) -> Result<(), Box<dyn std::error::Error>> {
-    let root = BitMapBackend::new(path, (1200, 520)).into_drawing_area();
+    let root = SVGBackend::new(path, (1200, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     for (area, panel) in root.split_evenly((1, panels.len())).iter().zip(panels) {
         chart(runs, area, axis, panel)?;
@@ -108,7 +92,7 @@ fn picture(runs: &[Report], path: &Path, axis: &str, panels: &[Panel]) -> Result
 
 fn chart(
     runs: &[Report],
-    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
     axis: &str,
     panel: &Panel,
 ) -> Result<(), Box<dyn std::error::Error>> {
@@ -148,11 +132,53 @@ fn chart(
     Ok(())
 }
 
-/// Makes a TrueType face the plots' `sans-serif`.
-fn register_font() -> Result<(), PlotError> {
-    let chosen = std::env::var_os("KEYFENCE_PLOT_FONT").map(PathBuf::from);
-    let candidates = chosen.into_iter().chain(FONT_PATHS.iter().map(PathBuf::from));
-    let bytes = candidates.filter_map(|path| std::fs::read(path).ok()).next().ok_or(PlotError::NoFont)?;
-    // plotters keeps the face for the life of the process.
-    plotters::style::register_font("sans-serif", FontStyle::Normal, Vec::leak(bytes)).map_err(|_| PlotError::NoFont)
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn figures(label: &'static str, per_second: f64) -> Figures {
+        Figures {
+            label,
+            requests: 100,
+            failures: 0,
+            seconds: 1.0,
+            per_second,
+            p50_ms: 5.0,
+            p99_ms: 9.0,
+            statuses: BTreeMap::from([(201, 100)]),
+            serve_cpu_ms_per_request: Some(2.5),
+        }
+    }
+
+    fn run(concurrency: usize) -> Report {
+        Report {
+            requests: 100,
+            concurrency,
+            payments: figures("payments", 90.0 * concurrency as f64),
+            replays: figures("replays", 300.0 * concurrency as f64),
+            floor: figures("floor", 100.0 * concurrency as f64),
+            replay_floor: figures("replay floor", 320.0 * concurrency as f64),
+            p50_over_floor: 1.05,
+            payments_over_floor: 0.9,
+            replays_over_floor: 0.94,
+        }
+    }
+
+    /// With no font anywhere to be found, both plots are drawn, their labels
+    /// as text.
+    #[test]
+    fn plots_are_svg_with_their_labels_as_text() {
+        let dir = std::env::temp_dir().join(format!("keyfence-plots-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let drawn = draw(&[run(1), run(8), run(32)], &dir).unwrap();
+        assert_eq!(drawn.len(), 2);
+        for path in &drawn {
+            let svg = std::fs::read_to_string(path).unwrap();
+            assert!(svg.starts_with("<svg"), "{} is not SVG", path.display());
+            assert!(svg.contains("<text") && svg.contains("requests in flight"), "{} lacks its labels", path.display());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -22,10 +22,10 @@ use serde::Serialize;
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::domain::{ClientId, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
-use crate::keystore::{Claim, DynamoKeyStore, Finish, KeyStore, Lease};
-use crate::ledger::Ledger;
-use crate::rail::{CallOutcome, Instruction, RailClient};
+use keyfence::domain::{ClientId, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
+use keyfence::keystore::{Claim, DynamoKeyStore, Finish, KeyStore, Lease};
+use keyfence::ledger::Ledger;
+use keyfence::rail::{CallOutcome, Instruction, RailClient};
 
 use super::percentile;
 
@@ -151,7 +151,7 @@ async fn replay_floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<
         gone_before: Millis::now(),
     };
     match floor.keys.claim(&claim).await {
-        Err(crate::keystore::KeyStoreError::Taken(Some(_))) => Ok(200),
+        Err(keyfence::keystore::KeyStoreError::Taken(Some(_))) => Ok(200),
         Ok(_) => Err("the key did not exist".into()),
         Err(e) => Err(e.to_string()),
     }

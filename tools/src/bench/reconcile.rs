@@ -14,15 +14,15 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::config::{KeyStoreSettings, LedgerSettings};
-use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
-use crate::engine::{Engine, EngineError, EngineSettings, Rails};
-use crate::keystore::{self, DynamoKeyStore, KeyItem, KeyState};
-use crate::ledger::{self, Ledger, timestamp};
-use crate::rail::{RailClient, sim};
-use crate::reconcile::{self, Options, Progress};
-use crate::regions::{RegionStore, RegionView};
-use crate::startup::REGION_VIEW_AGE;
+use keyfence::config::{KeyStoreSettings, LedgerSettings};
+use keyfence::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
+use keyfence::engine::{Engine, EngineError, EngineSettings, Rails};
+use keyfence::keystore::{self, DynamoKeyStore, KeyItem, KeyState};
+use keyfence::ledger::{self, Ledger, timestamp};
+use keyfence::rail::{RailClient, sim};
+use keyfence::reconcile::{self, Options, Progress};
+use keyfence::regions::{RegionStore, RegionView};
+use keyfence::startup::REGION_VIEW_AGE;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SizeFigures {
@@ -57,6 +57,35 @@ pub struct Figures {
     pub ledger_seconds_per_key_relative: Vec<f64>,
 }
 
+impl Figures {
+    /// The figures for people, one size a line.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "{:>8} {:>8} {:>12} {:>10} {:>12} {:>10} {:>12}\n",
+            "keys", "load s", "clean keys/s", "divergent", "report keys/s", "repair s", "repairs/s"
+        );
+        let relative = self.seconds_per_key_relative.iter().zip(&self.ledger_seconds_per_key_relative);
+        for (f, (all, ledger)) in self.sizes.iter().zip(relative) {
+            out += &format!(
+                "{:>8} {:>8.1} {:>12.0} {:>10} {:>12.0} {:>10.1} {:>12.1}\n",
+                f.keys,
+                f.load_seconds,
+                f.clean_keys_per_second,
+                f.divergent,
+                f.report_keys_per_second,
+                f.repair_seconds,
+                f.repairs_per_second
+            );
+            out += &format!(
+                "         seconds per key vs the smallest size: x{all:.2} in all, x{ledger:.2} in the ledger \
+                 (waiting on key-table scan pages {:.1} s, on the ledger {:.1} s, summed over segments)\n",
+                f.clean_key_store_seconds, f.clean_ledger_seconds
+            );
+        }
+        out
+    }
+}
+
 /// A progress reporter that says nothing (the bench prints its own lines).
 struct Silent;
 
@@ -76,7 +105,7 @@ pub struct Stores<'a> {
 
 /// Runs the benchmark at each size in `sizes`, erasing `divergent_share` of
 /// the payments for the divergent runs.
-pub async fn run(stores: Stores<'_>, sizes: &[usize], divergent_share: f64) -> Result<Figures, EngineError> {
+pub async fn run(stores: Stores<'_>, sizes: &[usize], divergent_share: f64) -> anyhow::Result<Figures> {
     let mut figures = Vec::new();
     for &size in sizes {
         eprintln!("bench-reconcile: {size} keys");
@@ -92,7 +121,7 @@ pub async fn run(stores: Stores<'_>, sizes: &[usize], divergent_share: f64) -> R
     Ok(Figures { sizes: figures, seconds_per_key_relative, ledger_seconds_per_key_relative })
 }
 
-async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> Result<SizeFigures, EngineError> {
+async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> anyhow::Result<SizeFigures> {
     let suffix = Uuid::new_v4().simple().to_string()[..8].to_owned();
     let mut keys_settings = stores.keys.clone();
     keys_settings.table = format!("keyfence-bench-{suffix}");
@@ -101,7 +130,7 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> Resu
     let mut ledger_settings = stores.ledger.clone();
     ledger_settings.database_url = ledger_settings.database_url.with_database(&format!("keyfence_bench_{suffix}"));
 
-    let client = keystore::connect(&keys_settings).await;
+    let client = keystore::connect(&keys_settings).await?;
     keystore::ensure_table(&client, &keys_settings.table).await?;
     let keys = DynamoKeyStore::new(client.clone(), keys_settings.table.clone());
     let (ledger, _) = Ledger::migrate(&ledger_settings).await?;
@@ -118,7 +147,7 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> Resu
             region: stores.region.to_owned(),
             instance: "bench".into(),
             lease: Duration::from_secs(10),
-            retention: crate::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
+            retention: keyfence::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
             max_unknown_attempts: 5,
         },
     );
@@ -136,7 +165,7 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> Resu
     };
     let (clean, clean_seconds) = timed(reconcile::run(&engine, &options, &Silent)).await?;
     if !clean.findings.is_empty() {
-        return Err(EngineError::Fault(format!("freshly loaded stores disagree: {}", clean.table())));
+        anyhow::bail!("freshly loaded stores disagree: {}", clean.table());
     }
 
     let divergent = ((size as f64) * divergent_share).round() as usize;
@@ -296,7 +325,7 @@ async fn erase(ledger: &Ledger, payments: &[Uuid]) -> Result<(), EngineError> {
     Ok(())
 }
 
-async fn drop_database(settings: &crate::config::LedgerSettings) -> Result<(), EngineError> {
+async fn drop_database(settings: &keyfence::config::LedgerSettings) -> Result<(), EngineError> {
     let url = &settings.database_url;
     let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone())
         .await

@@ -1,0 +1,68 @@
+//! The `keyfence` command line: one module per command group, each
+//! parsing its settings and calling the library. What only tools need (the
+//! benchmarks, the rail simulator) is in `keyfence-tools`, not here.
+
+mod clients;
+mod pay;
+mod regions;
+mod serve;
+mod workers;
+
+use std::process::ExitCode;
+
+use clap::{ArgMatches, Parser, Subcommand};
+use keyfence::config::ServeSettings;
+
+#[derive(Parser)]
+#[command(name = "keyfence", version, about = "Exactly-once payment requests across regions")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the front door: POST /v1/payments and friends.
+    Serve(Box<ServeSettings>),
+    /// Create the key table and apply the ledger's migrations (idempotent).
+    Migrate(Box<serve::MigrateArgs>),
+    /// Manage API clients.
+    #[command(subcommand)]
+    Clients(clients::ClientsCommand),
+    /// The debtor accounts each client may pay from.
+    #[command(subcommand)]
+    Accounts(clients::AccountsCommand),
+    /// Housekeeping beside traffic: --expire deletes finished keys past their retention.
+    Maintain(workers::MaintainArgs),
+    /// See which regions are active, declare one failed, or bring it back.
+    #[command(subcommand)]
+    Regions(regions::RegionsCommand),
+    /// Resume every stale in-flight request once, then report (the worker inside `serve` does this on an interval).
+    Recover(Box<workers::RecoverArgs>),
+    /// Compare the key store with this region's ledger; report, or repair with --repair.
+    Reconcile(Box<workers::ReconcileArgs>),
+    /// Pay every line of a CSV or JSON-lines file, exactly once even when run again.
+    Pay(Box<pay::PayArgs>),
+}
+
+impl Cli {
+    /// Runs the command (`matches`: where each setting came from); its exit
+    /// status says how it went.
+    pub async fn run(self, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
+        let done = |result: anyhow::Result<()>| result.map(|()| ExitCode::SUCCESS);
+        match self.command {
+            Command::Serve(settings) => {
+                let serving = matches.subcommand_matches("serve").unwrap_or(matches);
+                serve::serve(*settings, serving).await
+            }
+            Command::Migrate(args) => done(serve::migrate(*args).await),
+            Command::Clients(command) => done(command.run().await),
+            Command::Accounts(command) => done(command.run().await),
+            Command::Maintain(args) => done(workers::maintain(args).await),
+            Command::Regions(command) => done(command.run().await),
+            Command::Recover(args) => done(workers::recover(*args).await),
+            Command::Reconcile(args) => workers::reconcile(*args).await,
+            Command::Pay(args) => pay::pay(*args).await,
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! Away from the dev stack keyfence fails closed: `serve` refuses to start
+//! on local-development defaults or without an AWS region, saying why, and
+//! `migrate` checks a table it did not make against the schema it needs.
+
+use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
+use keyfence::keystore;
+use tokio::process::Command;
+
+use crate::harness::TestKeys;
+
+/// `keyfence serve` as on a host of AWS's: no endpoint (so AWS itself), no
+/// instance metadata to ask, no profile, and only `env`.
+async fn serve_on_aws(env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_keyfence"));
+    command
+        .arg("serve")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        // Nothing here may reach beyond this machine: no metadata service, no profile.
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env("AWS_CONFIG_FILE", "/nonexistent/keyfence-config")
+        .env("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/keyfence-credentials")
+        .env("KEYFENCE_LISTEN", "127.0.0.1:0")
+        .env("KEYFENCE_ADMIN_LISTEN", "127.0.0.1:0")
+        .kill_on_drop(true);
+    command.envs(env.iter().copied());
+    let out = tokio::time::timeout(std::time::Duration::from_secs(30), command.output())
+        .await
+        .expect("serve gives up at once")
+        .unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[tokio::test]
+async fn serve_refuses_local_defaults_away_from_a_local_endpoint() {
+    let (code, stderr) = serve_on_aws(&[("AWS_REGION", "eu-west-1")]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("KEYFENCE_REGION and DATABASE_URL") && stderr.contains("local-development"), "{stderr}");
+
+    let (code, stderr) = serve_on_aws(&[("AWS_REGION", "eu-west-1"), ("KEYFENCE_REGION", "eu-west-1")]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("DATABASE_URL") && !stderr.contains("KEYFENCE_REGION and"), "{stderr}");
+}
+
+#[tokio::test]
+async fn serve_refuses_to_start_without_an_aws_region() {
+    let explicit = [("KEYFENCE_REGION", "eu-west-1"), ("DATABASE_URL", "postgres://keyfence@127.0.0.1:1/keyfence")];
+    let (code, stderr) = serve_on_aws(&explicit).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("no AWS region") && stderr.contains("AWS_REGION"), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_table_keyfence_did_not_make_is_checked_and_what_it_lacks_is_named() {
+    let keys = TestKeys::new().await;
+    let client = keys.store.client();
+    let made = keystore::check_table(client, keys.store.table()).await.unwrap();
+    assert!(made.problems.is_empty(), "the table migrate makes passes: {:?}", made.problems);
+
+    let missing = format!("{}-missing", keys.store.table());
+    let absent = keystore::check_table(client, &missing).await.unwrap();
+    assert!(absent.problems.iter().any(|p| p.contains("does not exist") && p.contains("--create-table")), "{absent:?}");
+
+    // A table with the right key but no in-flight index.
+    let bare = format!("{}-bare", keys.store.table());
+    client
+        .create_table()
+        .table_name(&bare)
+        .billing_mode(BillingMode::PayPerRequest)
+        .key_schema(KeySchemaElement::builder().attribute_name("pk").key_type(KeyType::Hash).build().unwrap())
+        .attribute_definitions(
+            AttributeDefinition::builder().attribute_name("pk").attribute_type(ScalarAttributeType::S).build().unwrap(),
+        )
+        .send()
+        .await
+        .unwrap();
+    let check = keystore::check_table(client, &bare).await;
+    keystore::delete_table(client, &bare).await.unwrap();
+    let check = check.unwrap();
+    assert!(check.problems.iter().any(|p| p.starts_with("no index inflight-by-lease")), "{check:?}");
+    assert!(check.notes.iter().any(|n| n.contains("time-to-live is off")), "{check:?}");
+}
+
+/// `AWS_MAX_ATTEMPTS` sets the key store's attempts when keyfence's own
+/// setting is unset; `KEYFENCE_KEYSTORE_ATTEMPTS` wins when both are set.
+#[tokio::test]
+async fn aws_max_attempts_counts_unless_keyfence_sets_its_own() {
+    let app = crate::app::spawn_app().await;
+    let list = |env: &[(&str, &str)]| {
+        let mut command = crate::process::keyfence_command(&app, "clients");
+        command.args(["list", "--json"]).env_remove("KEYFENCE_KEYSTORE_ATTEMPTS").envs(env.iter().copied());
+        command.stderr(std::process::Stdio::piped());
+        command
+    };
+    let three_throttles =
+        serde_json::json!({ "operation": "Query", "count": 3, "action": "error", "code": "ThrottlingException" });
+
+    app.keys.arm(three_throttles.clone()).await;
+    let out = list(&[("AWS_MAX_ATTEMPTS", "4")]).output().await.unwrap();
+    assert!(out.status.success(), "four attempts outlast three throttles: {}", String::from_utf8_lossy(&out.stderr));
+
+    app.keys.arm(three_throttles).await;
+    let out = list(&[("AWS_MAX_ATTEMPTS", "4"), ("KEYFENCE_KEYSTORE_ATTEMPTS", "3")]).output().await.unwrap();
+    assert!(!out.status.success(), "keyfence's own three attempts do not");
+}
