@@ -19,11 +19,18 @@
 //! | `keyfence_hand_backs_total` | `how` | `forget` or `reopen` |
 //! | `keyfence_unknown_outcomes_total`, `keyfence_indeterminate_total` | `step` | external outcomes unknown; marked indeterminate |
 //! | `keyfence_declines_total` | `step` | declined by screening (`ext1`) or the rail (`ext2`) |
-//! | `keyfence_recovery_sweeps_total`, `keyfence_recovery_outcomes_total` | `outcome` | sweeps, and what became of each key found |
+//! | `keyfence_recovery_sweeps_total`, `keyfence_recovery_outcomes_total` | `outcome` | sweeps (`completed`, `failed`), and what became of each key found |
+//! | `keyfence_indeterminate_requests`, `keyfence_indeterminate_oldest_seconds` | | the region's external calls marked indeterminate, and the age of the oldest request among them, at the last sweep (gauges) |
+//! | `keyfence_region_declared_failed` | `region` | 1 while that region is declared failed (a gauge) |
 //! | `keyfence_key_store_seconds` | `op` | latency of each key-store operation |
+//! | `keyfence_key_store_errors_total` | `op`, `kind` | failed attempts at the key table by DynamoDB operation: `throttled`, `unavailable`, `other` |
+//! | `http_server_request_duration_seconds` | `http_request_method`, `http_route`, `http_response_status_code` | OpenTelemetry's `http.server.request.duration` |
 //! | `keyfence_ledger_phase_seconds` | `to` | latency of each ledger phase, by the recovery point it reaches |
 //! | `keyfence_rail_seconds` | `rail`, `call` | latency of each call to a rail (`send`, `probe`) |
-//! | `process_cpu_seconds_total`, `process_resident_memory_bytes`, ... | | the process |
+//! | `process_cpu_seconds_total` (a counter), `process_resident_memory_bytes`, ... | | the process |
+//!
+//! Every metric has HELP text. `keyfence reconcile --metrics-file` writes
+//! its own (`keyfence_reconcile_*`) for a textfile collector.
 
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -44,6 +51,7 @@ pub fn install() {
         match recorder {
             Ok(handle) => {
                 metrics_process::Collector::default().describe();
+                describe();
                 Some(handle)
             }
             Err(e) => {
@@ -54,12 +62,70 @@ pub fn install() {
     });
 }
 
+/// The HELP text of every metric keyfence records.
+fn describe() {
+    use ::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_histogram!(
+        "http_server_request_duration_seconds",
+        Unit::Seconds,
+        "Duration of HTTP server requests, by method, route template and status code (OpenTelemetry's http.server.request.duration)"
+    );
+    describe_counter!("keyfence_http_requests_total", "Answers of the front door, by route and answer class");
+    describe_counter!("keyfence_limiter_decisions_total", "Fair-use decisions, by limiter and decision");
+    describe_counter!("keyfence_throttled_total", "Requests turned away by fair use, by reason");
+    describe_gauge!("keyfence_payment_tasks_in_flight", "Payment tasks running now in this instance");
+    describe_counter!("keyfence_connections_refused_total", "Connections closed unanswered, by reason");
+    describe_counter!("keyfence_registry_reads_total", "Reads of the region registry");
+    describe_gauge!(
+        "keyfence_region_declared_failed",
+        "1 while the region is declared failed in the registry, as this instance last read it"
+    );
+    describe_counter!("keyfence_client_lookups_total", "Reads of the client directory, by outcome");
+    describe_counter!("keyfence_claims_total", "Claims of idempotency keys: won (a new request) or existing");
+    describe_counter!("keyfence_replays_from_memory_total", "Replays answered from this instance's memory");
+    describe_counter!("keyfence_takeovers_total", "Requests taken over from an earlier owner, by who took them");
+    describe_counter!("keyfence_fenced_out_total", "Owners refused by a store because a newer owner holds the key");
+    describe_counter!("keyfence_hand_backs_total", "Keys handed back unworked, by how");
+    describe_counter!("keyfence_unknown_outcomes_total", "External calls whose outcome is unknown, by step");
+    describe_counter!("keyfence_indeterminate_total", "External calls marked indeterminate for settlement, by step");
+    describe_counter!("keyfence_declines_total", "Payments declined, by the step that declined them");
+    describe_counter!("keyfence_recovery_sweeps_total", "Recovery sweeps, completed or failed (some key not resumed)");
+    describe_counter!("keyfence_recovery_outcomes_total", "What recovery sweeps did with each stale key, by outcome");
+    describe_gauge!(
+        "keyfence_indeterminate_requests",
+        "External calls of this region marked indeterminate for settlement, at the last sweep"
+    );
+    describe_gauge!(
+        "keyfence_indeterminate_oldest_seconds",
+        Unit::Seconds,
+        "Age of the oldest request among them at the last sweep (0 when none)"
+    );
+    describe_histogram!("keyfence_key_store_seconds", Unit::Seconds, "Latency of key-store operations, by operation");
+    describe_counter!(
+        "keyfence_key_store_errors_total",
+        "Failed attempts at the key table (retries included), by DynamoDB operation and kind"
+    );
+    describe_histogram!(
+        "keyfence_ledger_phase_seconds",
+        Unit::Seconds,
+        "Latency of ledger phases, by the recovery point reached"
+    );
+    describe_histogram!("keyfence_rail_seconds", Unit::Seconds, "Latency of calls to the rails, by rail and call");
+}
+
 /// Everything recorded so far, in the Prometheus text format.
 pub fn render() -> String {
     match HANDLE.get().and_then(Option::as_ref) {
         Some(handle) => {
             metrics_process::Collector::default().collect();
-            handle.render()
+            // The facade's counters hold whole numbers, so the CPU seconds
+            // are recorded as a gauge (to the 10 ms the kernel counts); they
+            // only ever grow, and are declared the counter they are.
+            handle.render().replacen(
+                "# TYPE process_cpu_seconds_total gauge",
+                "# TYPE process_cpu_seconds_total counter",
+                1,
+            )
         }
         None => String::new(),
     }

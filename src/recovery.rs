@@ -88,7 +88,6 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
         .inspect(|_| tick())
         .collect()
         .await;
-    metrics::counter!("keyfence_recovery_sweeps_total").increment(1);
     for (stale, outcome) in outcomes {
         let counted = match outcome {
             Ok(Recovery::Resumed(Answer::Final { .. })) => {
@@ -119,6 +118,7 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
         Ok(list) => report.indeterminate = list,
         Err(e) => report.failed.push(Failure { key: "(indeterminate list)".into(), error: e.to_string() }),
     }
+    report.count(now);
     report
 }
 
@@ -149,6 +149,16 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
 }
 
 impl SweepReport {
+    /// Counts the sweep, and sets the gauges of what waits for settlement.
+    fn count(&self, now: Millis) {
+        let outcome = if self.failed.is_empty() { "completed" } else { "failed" };
+        metrics::counter!("keyfence_recovery_sweeps_total", "outcome" => outcome).increment(1);
+        metrics::gauge!("keyfence_indeterminate_requests").set(self.indeterminate.len() as f64);
+        let oldest = self.indeterminate.iter().map(|i| i.created_at).min();
+        let age = oldest.map_or(0.0, |since| (crate::ledger::timestamp(now) - since).as_seconds_f64().max(0.0));
+        metrics::gauge!("keyfence_indeterminate_oldest_seconds").set(age);
+    }
+
     /// A summary for people.
     pub fn summary(&self) -> String {
         let rows = [

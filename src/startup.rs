@@ -145,7 +145,7 @@ impl Application {
             conflicts.push(format!(
                 "{} left at the local-development default outside a local endpoint (AWS_ENDPOINT_URL is {}): set \
                  each explicitly for this region",
-                settings.defaulted.join(" and "),
+                settings.defaulted.join(", "),
                 settings.engine.keys.aws_endpoint_url.as_deref().unwrap_or("unset, so AWS itself"),
             ));
         }

@@ -6,16 +6,19 @@
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, the same spans are also
 //! exported in batches over OTLP/HTTP (protobuf) as service `keyfence`
 //! (`OTEL_SERVICE_NAME` overrides it); the standard `OTEL_*` variables tune
-//! the exporter and the batches. Traces then run across systems (W3C Trace
-//! Context): a request's `traceparent` is the parent of its spans, and calls
-//! to the rails carry the current one.
+//! the exporter and the batches. Traces run across systems (W3C Trace
+//! Context) whether or not they are exported: a request's `traceparent` is
+//! the parent of its spans, calls to the rails and reads from other regions
+//! carry the current one, and every log line of a request names its trace
+//! (`trace_id`), so a caller's trace id finds its lines. Without an
+//! exporter spans are not sampled: they carry ids and nothing is recorded.
 
 use opentelemetry::propagation::{Extractor, Injector};
-use opentelemetry::trace::TracerProvider as _;
+use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_otlp::{SpanExporter, WithExportConfig as _};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -23,19 +26,22 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 
 const ENDPOINT_VARIABLES: [&str; 2] = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"];
 
-/// Holds the span exporter, if any, until [`Telemetry::shutdown`].
+/// Holds the tracer provider (and its exporter, if any) until [`Telemetry::shutdown`].
 pub struct Telemetry {
-    provider: Option<SdkTracerProvider>,
+    provider: SdkTracerProvider,
 }
 
 /// Installs the global subscriber; call once, first thing in `main`.
 pub fn init() -> anyhow::Result<Telemetry> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
-    let provider = ENDPOINT_VARIABLES.iter().any(|v| std::env::var_os(v).is_some()).then(exporting).transpose()?;
-    if provider.is_some() {
-        opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    }
-    let export = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("keyfence")));
+    let provider = if ENDPOINT_VARIABLES.iter().any(|v| std::env::var_os(v).is_some()) {
+        exporting()?
+    } else {
+        // Ids for every span, to propagate and to log; nothing to record.
+        SdkTracerProvider::builder().with_sampler(Sampler::AlwaysOff).build()
+    };
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    let export = tracing_opentelemetry::layer().with_tracer(provider.tracer("keyfence"));
     let json = std::env::var("KEYFENCE_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
     let text = (!json).then(|| tracing_subscriber::fmt::layer().with_writer(std::io::stderr));
     let json = json.then(|| tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr));
@@ -44,12 +50,29 @@ pub fn init() -> anyhow::Result<Telemetry> {
 }
 
 /// The span of an incoming request, child of the caller's `traceparent`
-/// when it sent one (and traces are exported).
+/// when it sent one, named as OpenTelemetry's HTTP conventions name it
+/// (`POST /v1/payments`: the method and the route template, never the path
+/// with its ids), and holding the trace id for the log lines inside it.
 pub fn request_span<B>(request: &axum::http::Request<B>) -> tracing::Span {
-    let span = tracing::info_span!("request", method = %request.method(), path = %request.uri().path());
+    let route = request.extensions().get::<axum::extract::MatchedPath>().map(|m| m.as_str().to_owned());
+    let method = request.method();
+    let name = route.as_deref().map_or_else(|| method.to_string(), |route| format!("{method} {route}"));
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %name,
+        otel.kind = "server",
+        http.request.method = %method,
+        http.route = route.as_deref().unwrap_or_default(),
+        url.path = %request.uri().path(),
+        trace_id = tracing::field::Empty,
+    );
     let parent = opentelemetry::global::get_text_map_propagator(|p| p.extract(&Headers(request.headers())));
-    // Without a tracing layer for OpenTelemetry there is nothing to attach to.
+    // Without a tracing layer for OpenTelemetry (a test's own subscriber) there is nothing to attach to.
     let _ = span.set_parent(parent);
+    let trace = span.context().span().span_context().trace_id();
+    if trace != opentelemetry::trace::TraceId::INVALID {
+        span.record("trace_id", tracing::field::display(trace));
+    }
     span
 }
 
@@ -96,7 +119,7 @@ fn exporting() -> anyhow::Result<SdkTracerProvider> {
 impl Telemetry {
     /// Sends the spans still buffered; call before the process exits.
     pub async fn shutdown(self) {
-        let Some(provider) = self.provider else { return };
+        let provider = self.provider;
         // Flushing blocks on the exporter's thread; keep it off the runtime's workers.
         let flushed = tokio::task::spawn_blocking(move || provider.shutdown().map_err(|e| e.to_string()));
         if let Err(e) = flushed.await.unwrap_or_else(|e| Err(e.to_string())) {

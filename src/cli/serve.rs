@@ -11,7 +11,12 @@ use keyfence::keystore::TableChange;
 use keyfence::startup::{self, Application, MigrateOptions, StartupError, shutdown_signal};
 
 /// The settings whose defaults suit only the dev stack, by argument id and variable.
-const LOCAL_DEFAULTS: [(&str, &str); 2] = [("region", "KEYFENCE_REGION"), ("database_url", "DATABASE_URL")];
+const LOCAL_DEFAULTS: [(&str, &str); 4] = [
+    ("region", "KEYFENCE_REGION"),
+    ("database_url", "DATABASE_URL"),
+    ("e1_url", "KEYFENCE_E1_URL"),
+    ("e2_url", "KEYFENCE_E2_URL"),
+];
 
 /// Exit status 2 when the settings cannot work together (or are left at
 /// local defaults away from a local endpoint).

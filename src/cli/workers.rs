@@ -46,8 +46,20 @@ pub struct ReconcileArgs {
     /// Parallel segments of the key-table scan.
     #[arg(long, default_value_t = 4)]
     segments: u32,
+    /// Also write the run's figures here, in the Prometheus text format (for node_exporter's
+    /// textfile collector: a name ending in .prom in its directory), replacing the last run's.
+    #[arg(long = "metrics-file")]
+    metrics_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     engine: EngineConfig,
+}
+
+/// Replaces `path` with `text` at once (a collector never reads half a file).
+fn replace_file(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    std::fs::write(&partial, text)?;
+    std::fs::rename(&partial, path)
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -146,6 +158,10 @@ pub async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
         }
     };
     bar.0.finish_and_clear();
+    if let Some(path) = &args.metrics_file {
+        replace_file(path, &report.prometheus(Millis::now()))
+            .with_context(|| format!("writing the run's metrics to {}", path.display()))?;
+    }
     match args.format {
         Format::Table => print!("{}", report.table()),
         Format::Json => println!("{}", serde_json::to_string_pretty(&report.to_json())?),

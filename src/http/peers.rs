@@ -174,6 +174,10 @@ impl Peers {
         for (name, value) in headers {
             request = request.header(name, value);
         }
+        // The other region's spans and log lines join this request's trace.
+        let mut trace = axum::http::HeaderMap::new();
+        crate::telemetry::inject_trace_context(&mut trace);
+        request = request.headers(trace);
         let mut sent =
             request.send().await.map_err(|e| tracing::warn!(base, error = %e, "another region could not be asked"))?;
         let status = StatusCode::from_u16(sent.status().as_u16()).map_err(|_| ())?;

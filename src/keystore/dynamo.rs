@@ -83,7 +83,8 @@ pub async fn connect(settings: &KeyStoreSettings) -> Result<Client, ConnectError
         None => retry,
     };
     let config = aws_sdk_dynamodb::config::Builder::from(&shared)
-        .retry_config(retry.with_initial_backoff(Duration::from_millis(25)));
+        .retry_config(retry.with_initial_backoff(Duration::from_millis(25)))
+        .interceptor(super::attempts::CountErrors);
     Ok(Client::from_conf(config.build()))
 }
 

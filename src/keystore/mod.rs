@@ -10,6 +10,7 @@
 //! attempt failed transiently. `DynamoKeyStore` is the product's store;
 //! `MemoryKeyStore` is a reference model for property tests only.
 
+mod attempts;
 mod dynamo;
 mod error;
 mod handoff;

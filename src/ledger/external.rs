@@ -121,13 +121,17 @@ pub struct Indeterminate {
     pub attempts: i32,
     #[serde(with = "time::serde::rfc3339")]
     pub last_attempt_at: time::OffsetDateTime,
+    /// When the request was first claimed.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: time::OffsetDateTime,
 }
 
 impl super::Ledger {
     /// Every external call currently marked indeterminate, oldest first.
     pub async fn indeterminate(&self) -> Result<Vec<Indeterminate>, LedgerError> {
         Ok(sqlx::query_as(
-            "SELECT c.client_id, c.idem_key, r.payment_id, c.step, c.derived_key, c.attempts, c.last_attempt_at
+            "SELECT c.client_id, c.idem_key, r.payment_id, c.step, c.derived_key, c.attempts, c.last_attempt_at,
+                    c.request_created_at AS created_at
                FROM external_calls c
                JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
               WHERE c.outcome = 'indeterminate'

@@ -100,6 +100,23 @@ impl Report {
         counts
     }
 
+    /// The run's figures in the Prometheus text format, for a textfile
+    /// collector (node_exporter's): what each class left unrepaired, and
+    /// when the run ended (`at`), so an alert can tell a stale file too.
+    pub fn prometheus(&self, at: crate::domain::Millis) -> String {
+        let mut out = String::from(
+            "# HELP keyfence_reconcile_unrepaired Divergences the last reconcile run left standing, by class\n\
+             # TYPE keyfence_reconcile_unrepaired gauge\n",
+        );
+        for (class, count) in self.counts() {
+            out += &format!("keyfence_reconcile_unrepaired{{class=\"{class}\"}} {}\n", count.found - count.repaired);
+        }
+        out += "# HELP keyfence_reconcile_last_run_timestamp_seconds When the last reconcile run ended (Unix time)\n\
+                # TYPE keyfence_reconcile_last_run_timestamp_seconds gauge\n";
+        out += &format!("keyfence_reconcile_last_run_timestamp_seconds {:.3}\n", at.get() as f64 / 1000.0);
+        out
+    }
+
     /// The report as JSON, with the counts.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({

@@ -71,6 +71,10 @@ impl RegionView {
     }
 
     fn keep(&self, registry: Registry) -> Arc<Registry> {
+        for change in registry.regions.values() {
+            let failed = if change.state == super::RegionState::Failed { 1.0 } else { 0.0 };
+            metrics::gauge!("keyfence_region_declared_failed", "region" => change.region.clone()).set(failed);
+        }
         let registry = Arc::new(registry);
         *self.cached.write().unwrap_or_else(|p| p.into_inner()) = (Some(Instant::now()), registry.clone());
         registry

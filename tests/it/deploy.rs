@@ -35,16 +35,22 @@ async fn serve_on_aws(env: &[(&str, &str)]) -> (Option<i32>, String) {
 async fn serve_refuses_local_defaults_away_from_a_local_endpoint() {
     let (code, stderr) = serve_on_aws(&[("AWS_REGION", "eu-west-1")]).await;
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("KEYFENCE_REGION and DATABASE_URL") && stderr.contains("local-development"), "{stderr}");
+    let all = "KEYFENCE_REGION, DATABASE_URL, KEYFENCE_E1_URL, KEYFENCE_E2_URL left at the local-development default";
+    assert!(stderr.contains(all), "{stderr}");
 
     let (code, stderr) = serve_on_aws(&[("AWS_REGION", "eu-west-1"), ("KEYFENCE_REGION", "eu-west-1")]).await;
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("DATABASE_URL") && !stderr.contains("KEYFENCE_REGION and"), "{stderr}");
+    assert!(stderr.contains("DATABASE_URL, KEYFENCE_E1_URL") && !stderr.contains("KEYFENCE_REGION,"), "{stderr}");
 }
 
 #[tokio::test]
 async fn serve_refuses_to_start_without_an_aws_region() {
-    let explicit = [("KEYFENCE_REGION", "eu-west-1"), ("DATABASE_URL", "postgres://keyfence@127.0.0.1:1/keyfence")];
+    let explicit = [
+        ("KEYFENCE_REGION", "eu-west-1"),
+        ("DATABASE_URL", "postgres://keyfence@127.0.0.1:1/keyfence"),
+        ("KEYFENCE_E1_URL", "http://127.0.0.1:1"),
+        ("KEYFENCE_E2_URL", "http://127.0.0.1:1"),
+    ];
     let (code, stderr) = serve_on_aws(&explicit).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("no AWS region") && stderr.contains("AWS_REGION"), "{stderr}");

@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::routing::post;
 use reqwest::StatusCode as Status;
+use serde_json::Value;
 
 use crate::app::{payment, spawn_app};
 use crate::process::{ServeProcess, keyfence_command};
@@ -161,4 +162,48 @@ async fn logs_are_json_lines_without_secrets_accounts_or_bodies() {
             assert!(!line.contains(secret), "a log line holds {secret:?}: {line}");
         }
     }
+}
+
+/// With no exporter, traces still run through: every log line of a
+/// request names the caller's trace id, and the rail is sent it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_an_exporter_every_line_of_a_request_names_its_trace_and_the_rail_gets_it() {
+    let app = spawn_app().await;
+    let rail_saw = Arc::new(Mutex::new(Vec::new()));
+    let rail_url = tracing_rail(rail_saw.clone()).await;
+    let mut command = keyfence_command(&app, "serve");
+    command
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .env("KEYFENCE_E2_URL", &rail_url)
+        .env("KEYFENCE_LOG_FORMAT", "json")
+        .env("KEYFENCE_RECOVERY_INTERVAL_MS", "0")
+        .env("RUST_LOG", "debug,sqlx=warn,aws=info,hyper=info,h2=info,rustls=info");
+    let (mut serve, logs) = ServeProcess::spawn_logged(command).await;
+
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let created = app
+        .http
+        .post(format!("{}/v1/payments", serve.url))
+        .bearer_auth(&app.api_key)
+        .header("Idempotency-Key", "traced-3")
+        .header("traceparent", format!("00-{trace_id}-b7ad6b7169203331-01"))
+        .json(&payment("E2E-TRACED-3"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), Status::CREATED);
+    assert!(serve.terminate().await.success());
+
+    let lines: Vec<Value> = logs.lines().iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let in_request: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["spans"].as_array().is_some_and(|spans| spans.iter().any(|s| s["name"] == "request")))
+        .collect();
+    assert!(in_request.len() >= 3, "the request logged lines: {lines:?}");
+    for line in &in_request {
+        assert!(line.to_string().contains(trace_id), "a line of the request without its trace id: {line}");
+    }
+    let rail_saw = rail_saw.lock().unwrap();
+    assert!(rail_saw.iter().any(|parent| parent.contains(trace_id)), "the rail was sent the trace: {rail_saw:?}");
 }
