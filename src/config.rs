@@ -34,7 +34,7 @@ pub struct KeyStoreSettings {
     #[arg(long = "aws-dummy-credentials", env = "KEYFENCE_AWS_DUMMY_CREDENTIALS")]
     pub dummy_credentials: bool,
     /// Attempts per key-store request, the first included (SDK standard retry mode). Unset:
-    /// AWS_MAX_ATTEMPTS or the profile's max_attempts, else 3.
+    /// AWS_MAX_ATTEMPTS, else 3.
     #[arg(long = "keystore-attempts", env = "KEYFENCE_KEYSTORE_ATTEMPTS",
           value_parser = clap::value_parser!(u32).range(1..=10))]
     pub max_attempts: Option<u32>,
@@ -247,10 +247,12 @@ mod tests {
 #[derive(Args, Clone, Debug)]
 pub struct RailSettings {
     /// Base URL of E1, the screening system.
-    #[arg(long = "e1-url", env = "KEYFENCE_E1_URL", default_value = "http://127.0.0.1:9001")]
+    #[arg(long = "e1-url", env = "KEYFENCE_E1_URL", default_value = "http://127.0.0.1:9001",
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub e1_url: String,
     /// Base URL of E2, the payment rail.
-    #[arg(long = "e2-url", env = "KEYFENCE_E2_URL", default_value = "http://127.0.0.1:9002")]
+    #[arg(long = "e2-url", env = "KEYFENCE_E2_URL", default_value = "http://127.0.0.1:9002",
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub e2_url: String,
     /// Time limit of one attempt at an external system, in milliseconds.
     #[arg(long = "rail-timeout-ms", env = "KEYFENCE_RAIL_TIMEOUT_MS", default_value = "1000", value_parser = parse_millis)]
@@ -265,7 +267,8 @@ pub struct RailSettings {
 #[derive(Args, Clone, Debug)]
 pub struct WorkSettings {
     /// The region this instance works in; requests first claimed elsewhere are replayed, not worked.
-    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
+    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1",
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub region: String,
     /// Names this instance in the leases it holds.
     #[arg(long, env = "KEYFENCE_INSTANCE", default_value_t = default_instance())]
@@ -277,8 +280,23 @@ pub struct WorkSettings {
     #[arg(long = "max-unknown-attempts", env = "KEYFENCE_MAX_UNKNOWN_ATTEMPTS", default_value_t = 5,
           value_parser = clap::value_parser!(i32).range(1..))]
     pub max_unknown_attempts: i32,
+    /// How long the recovery worker leaves a parked request before probing it again, after its
+    /// first unknown outcome (ms); doubled by every further one, up to --probe-backoff-max-ms.
+    #[arg(long = "probe-backoff-ms", env = "KEYFENCE_PROBE_BACKOFF_MS", default_value = "5000",
+          value_parser = parse_millis)]
+    pub probe_backoff_first: Duration,
+    /// The longest the recovery worker leaves a parked request unprobed (ms).
+    #[arg(long = "probe-backoff-max-ms", env = "KEYFENCE_PROBE_BACKOFF_MAX_MS", default_value = "900000",
+          value_parser = parse_millis)]
+    pub probe_backoff_max: Duration,
     #[command(flatten)]
     pub retention: RetentionSettings,
+}
+
+impl WorkSettings {
+    pub fn probe_backoff(&self) -> crate::domain::ProbeBackoff {
+        crate::domain::ProbeBackoff { first: self.probe_backoff_first, max: self.probe_backoff_max }
+    }
 }
 
 /// How long finished keys are kept, and the margin for clock skew around

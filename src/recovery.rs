@@ -4,8 +4,13 @@
 //! point through the engine's takeover, so it is safe beside client retries
 //! and other workers. It runs inside `keyfence serve`
 //! on an interval and once, for operators, as `keyfence recover`.
-//! Parked requests are probed on every sweep; those still unknown after the
-//! configured attempts are listed as indeterminate for settlement.
+//! A parked request (an external outcome unknown) is left alone until its
+//! next probe is due (an exponential back-off, `KEYFENCE_PROBE_BACKOFF_MS`
+//! doubled per unknown outcome up to `KEYFENCE_PROBE_BACKOFF_MAX_MS`); one
+//! sweep resumes at most [`BATCH`] requests, oldest lease first, so a flood
+//! of parked requests neither takes every sweep nor delays a request whose
+//! owner died. Those still unknown after the configured attempts are listed
+//! as indeterminate for settlement (and still probed).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -23,11 +28,18 @@ use crate::ledger::external::Indeterminate;
 /// Requests resumed at once by one sweep.
 const PARALLEL: usize = 8;
 
+/// Requests one sweep resumes at most; the rest wait for the next.
+pub const BATCH: usize = 64;
+
 /// What one sweep did.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct SweepReport {
     /// Stale in-flight keys found in the index.
     pub found: usize,
+    /// Of them, parked until a probe that is not due yet: left alone.
+    pub waiting: usize,
+    /// Of them, over this sweep's batch: left for the next sweep.
+    pub deferred: usize,
     /// Resumed to their final answer.
     pub finished: usize,
     /// Resumed, then parked again: an external outcome is still unknown.
@@ -58,6 +70,7 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
             report
                 .failed
                 .push(Failure { key: "(this region)".into(), error: "declared failed: sweeping nothing".into() });
+            report.count(None);
             return report;
         }
         Ok(registry) => registry.failed_except(engine.region()).map(str::to_owned).collect(),
@@ -78,6 +91,22 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
         }
     }
     report.found = stale.len();
+    let mine: Vec<_> = stale
+        .iter()
+        .filter(|s| s.home_region == engine.region())
+        .map(|s| (s.key.client.as_uuid(), s.key.key.as_str().to_owned(), s.created_at))
+        .collect();
+    match engine.ledger().parked_until_later(&mine).await {
+        Ok(later) => {
+            stale.retain(|s| !later.contains(&(s.key.client.as_uuid(), s.key.key.as_str().to_owned())));
+            report.waiting = report.found - stale.len();
+        }
+        // Without the back-off's word, every stale key is due (as before it existed).
+        Err(e) => report.failed.push(Failure { key: "(parked requests)".into(), error: e.to_string() }),
+    }
+    stale.sort_by_key(|s| s.lease_until);
+    report.deferred = stale.len().saturating_sub(BATCH);
+    stale.truncate(BATCH);
     on_found(stale.len());
     let outcomes: Vec<_> = futures::stream::iter(stale)
         .map(|s| async move {
@@ -114,11 +143,17 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
         };
         metrics::counter!("keyfence_recovery_outcomes_total", "outcome" => counted).increment(1);
     }
-    match engine.ledger().indeterminate().await {
-        Ok(list) => report.indeterminate = list,
-        Err(e) => report.failed.push(Failure { key: "(indeterminate list)".into(), error: e.to_string() }),
-    }
-    report.count(now);
+    let listed = match engine.ledger().indeterminate().await {
+        Ok(list) => {
+            report.indeterminate = list;
+            Some(now)
+        }
+        Err(e) => {
+            report.failed.push(Failure { key: "(indeterminate list)".into(), error: e.to_string() });
+            None
+        }
+    };
+    report.count(listed);
     report
 }
 
@@ -134,9 +169,11 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
             () = tokio::time::sleep(interval) => {}
         }
         let report = sweep(&engine, |_| {}, || {}).await;
-        if report.found > 0 || !report.failed.is_empty() {
+        if report.found > report.waiting || !report.failed.is_empty() {
             tracing::info!(
                 found = report.found,
+                waiting = report.waiting,
+                deferred = report.deferred,
                 finished = report.finished,
                 pending = report.pending,
                 lost = report.lost,
@@ -149,10 +186,13 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
 }
 
 impl SweepReport {
-    /// Counts the sweep, and sets the gauges of what waits for settlement.
-    fn count(&self, now: Millis) {
+    /// Counts the sweep, and sets the gauges of what waits for settlement
+    /// from the list read at `listed` (if it could be read: else they keep
+    /// their last values rather than claim nothing waits).
+    fn count(&self, listed: Option<Millis>) {
         let outcome = if self.failed.is_empty() { "completed" } else { "failed" };
         metrics::counter!("keyfence_recovery_sweeps_total", "outcome" => outcome).increment(1);
+        let Some(now) = listed else { return };
         metrics::gauge!("keyfence_indeterminate_requests").set(self.indeterminate.len() as f64);
         let oldest = self.indeterminate.iter().map(|i| i.created_at).min();
         let age = oldest.map_or(0.0, |since| (crate::ledger::timestamp(now) - since).as_seconds_f64().max(0.0));
@@ -169,6 +209,8 @@ impl SweepReport {
             ("failed", self.failed.len()),
         ];
         let mut out = format!("stale in-flight keys found: {}\n", self.found);
+        out += &format!("  {:<16} {}\n", "parked, not due", self.waiting);
+        out += &format!("  {:<16} {}\n", "next sweep", self.deferred);
         for (label, count) in rows {
             out += &format!("  {label:<16} {count}\n");
         }

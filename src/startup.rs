@@ -79,15 +79,21 @@ pub async fn migrate(
     options: MigrateOptions,
 ) -> Result<Migrated, StartupError> {
     let client = keystore::connect(keys).await?;
-    let (table, table_notes) = if keys.local_endpoint() || options.create_table {
-        (keystore::ensure_table(&client, &keys.table).await?, Vec::new())
+    let local = keys.local_endpoint();
+    let table = if local || options.create_table {
+        keystore::ensure_table(&client, &keys.table).await?
     } else {
+        TableChange::Checked
+    };
+    // A table on AWS is checked whoever made it.
+    let mut table_notes = Vec::new();
+    if !local {
         let check = keystore::check_table(&client, &keys.table).await?;
         if !check.problems.is_empty() {
             return Err(StartupError::Table(check.problems));
         }
-        (TableChange::Checked, check.notes)
-    };
+        table_notes = check.notes;
+    }
     let drop_older_clients = options.drop_older_clients;
     let (regional, ledger) = Ledger::migrate(ledger).await?;
     // Clients used to live in each ledger; they are global now.
@@ -119,6 +125,7 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
         lease: work.lease,
         retention: work.retention.retention(),
         max_unknown_attempts: work.max_unknown_attempts,
+        probe_backoff: work.probe_backoff(),
     };
     Ok(Engine::new(keys, ledger, rails, regions, engine_settings))
 }

@@ -11,7 +11,8 @@
 //! the parent of its spans, calls to the rails and reads from other regions
 //! carry the current one, and every log line of a request names its trace
 //! (`trace_id`), so a caller's trace id finds its lines. Without an
-//! exporter spans are not sampled: they carry ids and nothing is recorded.
+//! exporter spans carry ids and the caller's sampling decision, and nothing
+//! leaves the process.
 
 use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
@@ -37,8 +38,9 @@ pub fn init() -> anyhow::Result<Telemetry> {
     let provider = if ENDPOINT_VARIABLES.iter().any(|v| std::env::var_os(v).is_some()) {
         exporting()?
     } else {
-        // Ids for every span, to propagate and to log; nothing to record.
-        SdkTracerProvider::builder().with_sampler(Sampler::AlwaysOff).build()
+        // Ids for every span, to propagate and to log, and the caller's
+        // sampling decision passed on; nothing is exported.
+        SdkTracerProvider::builder().with_sampler(Sampler::ParentBased(Box::new(Sampler::AlwaysOff))).build()
     };
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let export = tracing_opentelemetry::layer().with_tracer(provider.tracer("keyfence"));

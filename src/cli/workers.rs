@@ -58,8 +58,11 @@ pub struct ReconcileArgs {
 fn replace_file(path: &std::path::Path, text: &str) -> std::io::Result<()> {
     let mut partial = path.as_os_str().to_owned();
     partial.push(".partial");
-    std::fs::write(&partial, text)?;
-    std::fs::rename(&partial, path)
+    let written = std::fs::write(&partial, text).and_then(|()| std::fs::rename(&partial, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    written
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -158,13 +161,15 @@ pub async fn reconcile(args: ReconcileArgs) -> anyhow::Result<ExitCode> {
         }
     };
     bar.0.finish_and_clear();
-    if let Some(path) = &args.metrics_file {
-        replace_file(path, &report.prometheus(Millis::now()))
-            .with_context(|| format!("writing the run's metrics to {}", path.display()))?;
-    }
     match args.format {
         Format::Table => print!("{}", report.table()),
         Format::Json => println!("{}", serde_json::to_string_pretty(&report.to_json())?),
+    }
+    if let Some(path) = &args.metrics_file
+        && let Err(e) = replace_file(path, &report.prometheus(Millis::now()))
+    {
+        eprintln!("keyfence reconcile: the report stands, but its metrics were not written to {}: {e}", path.display());
+        return Ok(ExitCode::from(2));
     }
     Ok(if report.unrepaired() > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }

@@ -67,6 +67,8 @@ pub struct EngineSettings {
     /// After this many attempts with an unknown outcome, a request is
     /// marked indeterminate and listed for settlement (it is still probed).
     pub max_unknown_attempts: i32,
+    /// How long the recovery worker leaves a parked request before probing it again.
+    pub probe_backoff: crate::domain::ProbeBackoff,
 }
 
 /// The engine, over any key store (DynamoDB in the service).

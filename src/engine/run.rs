@@ -261,7 +261,14 @@ impl<K: KeyStore> Engine<K> {
         self.check_region().await?;
         let fence = attempt.holder.fence;
         let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &attempt.at).await?;
-        let attempts = external::record_unknown_attempt(phase.conn(), &attempt.record, ext.name, fence).await?;
+        let attempts = external::record_unknown_attempt(
+            phase.conn(),
+            &attempt.record,
+            ext.name,
+            fence,
+            self.settings.probe_backoff,
+        )
+        .await?;
         metrics::counter!("keyfence_unknown_outcomes_total", "step" => ext.name).increment(1);
         if attempts >= self.settings.max_unknown_attempts {
             metrics::counter!("keyfence_indeterminate_total", "step" => ext.name).increment(1);

@@ -40,6 +40,22 @@ const LOCAL_REGION: &str = "us-east-1";
 pub enum ConnectError {
     #[error("no AWS region for the key table: set AWS_REGION (or --aws-region), or a region in the AWS profile")]
     NoRegion,
+    #[error("AWS_MAX_ATTEMPTS={0} is not a number of attempts from 1 to 10")]
+    MaxAttempts(String),
+}
+
+/// Attempts per request: keyfence's own setting, else `AWS_MAX_ATTEMPTS`,
+/// else the SDK's standard 3. The SDK is never left to read retry settings
+/// itself, which it would panic on where the AWS CLI accepts them (a
+/// profile's `retry_mode = legacy`).
+fn attempts(settings: &KeyStoreSettings) -> Result<u32, ConnectError> {
+    if let Some(attempts) = settings.max_attempts {
+        return Ok(attempts);
+    }
+    match std::env::var("AWS_MAX_ATTEMPTS") {
+        Ok(raw) => raw.trim().parse().ok().filter(|n| (1..=10).contains(n)).ok_or(ConnectError::MaxAttempts(raw)),
+        Err(_) => Ok(3),
+    }
 }
 
 /// Builds the DynamoDB client every command uses. Region, credentials and
@@ -53,14 +69,16 @@ pub enum ConnectError {
 /// a retry rather than a hung request.
 pub async fn connect(settings: &KeyStoreSettings) -> Result<Client, ConnectError> {
     let local = settings.local_endpoint();
-    let mut loader = aws_config::defaults(BehaviorVersion::latest()).timeout_config(
+    let retry =
+        RetryConfig::standard().with_max_attempts(attempts(settings)?).with_initial_backoff(Duration::from_millis(25));
+    let mut loader = aws_config::defaults(BehaviorVersion::latest()).retry_config(retry).timeout_config(
         TimeoutConfig::builder()
             .connect_timeout(Duration::from_secs(3))
             .operation_attempt_timeout(settings.attempt_timeout)
             .build(),
     );
     // A local endpoint never asks the instance metadata service for a region.
-    match (&settings.aws_region, local) {
+    match (settings.aws_region.as_ref().filter(|r| !r.is_empty()), local) {
         (Some(region), _) => loader = loader.region(Region::new(region.clone())),
         (None, true) => loader = loader.region(Region::new(LOCAL_REGION)),
         (None, false) => {}
@@ -76,15 +94,7 @@ pub async fn connect(settings: &KeyStoreSettings) -> Result<Client, ConnectError
     if shared.region().is_none() {
         return Err(ConnectError::NoRegion);
     }
-    // AWS_MAX_ATTEMPTS and the profile's max_attempts count unless keyfence's own is set.
-    let retry = shared.retry_config().cloned().unwrap_or_else(RetryConfig::standard);
-    let retry = match settings.max_attempts {
-        Some(attempts) => retry.with_max_attempts(attempts),
-        None => retry,
-    };
-    let config = aws_sdk_dynamodb::config::Builder::from(&shared)
-        .retry_config(retry.with_initial_backoff(Duration::from_millis(25)))
-        .interceptor(super::attempts::CountErrors);
+    let config = aws_sdk_dynamodb::config::Builder::from(&shared).interceptor(super::attempts::CountErrors);
     Ok(Client::from_conf(config.build()))
 }
 

@@ -52,6 +52,9 @@ pub struct StaleKey {
     pub fence: Fence,
     pub home_region: String,
     pub lease_until: Millis,
+    /// When the request was first claimed: with the key, it names the
+    /// request in the ledger.
+    pub created_at: Millis,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,6 +162,7 @@ pub(super) fn decode_stale(attrs: &HashMap<String, AttributeValue>) -> Result<St
         fence: Fence::new(get_n(attrs, attr::FENCE)?),
         home_region: get_s(attrs, attr::HOME_REGION)?.to_owned(),
         lease_until: Millis::new(get_n(attrs, attr::LEASE_UNTIL)?),
+        created_at: Millis::new(get_n(attrs, attr::CREATED_AT)?),
     })
 }
 

@@ -213,6 +213,7 @@ impl KeyStore for MemoryKeyStore {
                     fence: item.fence,
                     home_region: item.home_region.clone(),
                     lease_until: item.lease_until,
+                    created_at: item.created_at,
                 })
                 .collect()
         }))

@@ -234,6 +234,13 @@ pub async fn check_table(client: &Client, table: &str) -> Result<TableCheck, Key
         .is_some_and(|s| matches!(s, TimeToLiveStatus::Enabled | TimeToLiveStatus::Enabling));
     let on_attribute = ttl.and_then(|d| d.attribute_name()).filter(|_| on);
     let strong = description.multi_region_consistency() == Some(&MultiRegionConsistency::Strong);
+    if !strong {
+        check.notes.push(
+            "not multi-Region strongly consistent: two regions could both win one key, so only one region may \
+             claim (see \"MRSC or MREC\" in the README)"
+                .into(),
+        );
+    }
     match on_attribute {
         Some(name) if name != attr::EXPIRES_AT => check.problems.push(format!(
             "time-to-live is on attribute {name}: DynamoDB would delete keys by it; keyfence expires keys by {}",

@@ -3,11 +3,13 @@
 //! (`done` with what was applied, or `declined` with why), and attempts
 //! whose outcome stayed unknown.
 
+use std::collections::HashSet;
+
 use sqlx::PgConnection;
 
 use super::phase::{RequestRecord, fence_param};
 use super::{LedgerError, timestamp};
-use crate::domain::Fence;
+use crate::domain::{Fence, Millis, ProbeBackoff};
 use crate::rail::Verdict;
 
 /// Records that `step` is about to be sent under `derived_key`.
@@ -69,9 +71,14 @@ pub async fn record_unknown_attempt(
     request: &RequestRecord,
     step: &str,
     fence: Fence,
+    backoff: ProbeBackoff,
 ) -> Result<i32, LedgerError> {
+    // The right-hand side reads the row before the update: `attempts` is the
+    // number of unknown outcomes before this one.
     Ok(sqlx::query_scalar(
-        "UPDATE external_calls SET outcome = 'unknown', attempts = attempts + 1, fence = $5, last_attempt_at = now()
+        "UPDATE external_calls SET outcome = 'unknown', attempts = attempts + 1, fence = $5, last_attempt_at = now(),
+                next_probe_at = now() + make_interval(
+                    secs => LEAST($7, $6 * power(2, LEAST(attempts, 30))) * (0.8 + random() * 0.4))
           WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4
          RETURNING attempts",
     )
@@ -80,6 +87,8 @@ pub async fn record_unknown_attempt(
     .bind(timestamp(request.created_at))
     .bind(step)
     .bind(fence_param(fence))
+    .bind(backoff.first.as_secs_f64())
+    .bind(backoff.max.as_secs_f64())
     .fetch_one(conn)
     .await?)
 }
@@ -127,6 +136,30 @@ pub struct Indeterminate {
 }
 
 impl super::Ledger {
+    /// Of `requests` (client, key, first claimed), those parked until a
+    /// probe that is not yet due: the recovery worker leaves them alone.
+    pub async fn parked_until_later(
+        &self,
+        requests: &[(uuid::Uuid, String, Millis)],
+    ) -> Result<HashSet<(uuid::Uuid, String)>, LedgerError> {
+        let clients: Vec<uuid::Uuid> = requests.iter().map(|r| r.0).collect();
+        let keys: Vec<&str> = requests.iter().map(|r| r.1.as_str()).collect();
+        let created: Vec<time::OffsetDateTime> = requests.iter().map(|r| timestamp(r.2)).collect();
+        let rows: Vec<(uuid::Uuid, String)> = sqlx::query_as(
+            "SELECT DISTINCT c.client_id, c.idem_key
+               FROM external_calls c
+               JOIN UNNEST($1::uuid[], $2::text[], $3::timestamptz[]) AS s(client_id, idem_key, created_at)
+                 ON (c.client_id, c.idem_key, c.request_created_at) = (s.client_id, s.idem_key, s.created_at)
+              WHERE c.outcome IN ('unknown', 'indeterminate') AND c.next_probe_at > now()",
+        )
+        .bind(clients)
+        .bind(keys)
+        .bind(created)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.into_iter().collect())
+    }
+
     /// Every external call currently marked indeterminate, oldest first.
     pub async fn indeterminate(&self) -> Result<Vec<Indeterminate>, LedgerError> {
         Ok(sqlx::query_as(

@@ -177,6 +177,7 @@ async fn resume<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Acted,
         fence: key.fence,
         home_region: key.home_region.clone(),
         lease_until: key.lease_until,
+        created_at: key.created_at,
     };
     Ok(match engine.recover(&stale, PaymentOperation::from_canonical).await {
         Ok(Recovery::Resumed(Answer::Final { .. })) => Acted::Done("took it over and finished it".into()),

@@ -152,6 +152,10 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
                 instance: "test".into(),
                 lease: Duration::from_secs(10),
                 max_unknown_attempts: 5,
+                // Parked requests are probed again at once, as tests of
+                // resuming expect; the back-off has tests of its own.
+                probe_backoff_first: Duration::from_millis(1),
+                probe_backoff_max: Duration::from_millis(1),
                 retention: Default::default(),
             },
         },

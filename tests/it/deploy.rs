@@ -38,6 +38,10 @@ async fn serve_refuses_local_defaults_away_from_a_local_endpoint() {
     let all = "KEYFENCE_REGION, DATABASE_URL, KEYFENCE_E1_URL, KEYFENCE_E2_URL left at the local-development default";
     assert!(stderr.contains(all), "{stderr}");
 
+    let (code, stderr) = serve_on_aws(&[("AWS_REGION", "eu-west-1"), ("KEYFENCE_REGION", "")]).await;
+    assert_eq!(code, Some(2), "an empty region is no region: {stderr}");
+    assert!(stderr.contains("--region"), "{stderr}");
+
     let (code, stderr) = serve_on_aws(&[("AWS_REGION", "eu-west-1"), ("KEYFENCE_REGION", "eu-west-1")]).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("DATABASE_URL, KEYFENCE_E1_URL") && !stderr.contains("KEYFENCE_REGION,"), "{stderr}");
@@ -108,4 +112,29 @@ async fn aws_max_attempts_counts_unless_keyfence_sets_its_own() {
     app.keys.arm(three_throttles).await;
     let out = list(&[("AWS_MAX_ATTEMPTS", "4"), ("KEYFENCE_KEYSTORE_ATTEMPTS", "3")]).output().await.unwrap();
     assert!(!out.status.success(), "keyfence's own three attempts do not");
+
+    // Retry settings the SDK would panic on are refused, or left unread.
+    let out = list(&[("AWS_MAX_ATTEMPTS", "lots")]).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("AWS_MAX_ATTEMPTS=lots"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let out = list(&[("AWS_RETRY_MODE", "legacy")]).output().await.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A reconcile run whose metrics file cannot be written still prints its
+/// report, and says the run did not complete (exit 2), not "divergence".
+#[tokio::test]
+async fn a_metrics_file_that_cannot_be_written_leaves_the_report_and_exits_2() {
+    let app = crate::app::spawn_app().await;
+    let out = crate::process::keyfence_command(&app, "reconcile")
+        .args(["--metrics-file", "/nonexistent/keyfence/reconcile.prom", "--format", "json"])
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the report, as JSON");
+    assert_eq!(report["unrepaired"], 0);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the report stands"));
 }

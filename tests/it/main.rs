@@ -33,6 +33,8 @@ mod ledger_tls;
 mod lost_replies;
 #[cfg(feature = "failpoints")]
 mod metrics;
+#[cfg(feature = "failpoints")]
+mod parked;
 mod perimeter;
 mod process;
 mod protocol_model;

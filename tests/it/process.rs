@@ -35,6 +35,9 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
         // The longest rail call must fit in a third of the lease.
         .env("KEYFENCE_RAIL_TIMEOUT_MS", "330")
         .env("KEYFENCE_RAIL_ATTEMPTS", "1")
+        // Parked requests are probed again at once; the back-off has tests of its own.
+        .env("KEYFENCE_PROBE_BACKOFF_MS", "1")
+        .env("KEYFENCE_PROBE_BACKOFF_MAX_MS", "1")
         .env("RUST_LOG", "warn")
         .env_remove("FAILPOINTS")
         .stderr(Stdio::inherit())

@@ -22,7 +22,13 @@ async fn stale_key(app: &crate::app::TestApp, request: &[u8]) -> StaleKey {
     claim.request = request.to_vec();
     claim.home_region = app.settings.engine.work.region.clone();
     let item = app.keys.store.claim(&claim).await.unwrap();
-    StaleKey { key, fence: item.fence, home_region: item.home_region, lease_until: item.lease_until }
+    StaleKey {
+        key,
+        fence: item.fence,
+        home_region: item.home_region,
+        lease_until: item.lease_until,
+        created_at: item.created_at,
+    }
 }
 
 #[tokio::test]
