@@ -128,7 +128,7 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
                 "pending"
             }
             Ok(Recovery::Resumed(Answer::InFlight { .. } | Answer::Mismatch) | Recovery::Lost)
-            | Err(EngineError::FencedOut) => {
+            | Err(EngineError::FencedOut(_)) => {
                 report.lost += 1;
                 "lost"
             }

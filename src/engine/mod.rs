@@ -28,7 +28,7 @@ use crate::rail::RailClient;
 use crate::regions::RegionView;
 
 pub use derived_key::derived_key;
-pub use error::EngineError;
+pub use error::{Cause, EngineError, Fenced};
 pub use operation::{ExternalStep, Operation, Rail, Step, StepContext};
 pub use payment::PaymentOperation;
 pub use recover::Recovery;

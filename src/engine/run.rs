@@ -22,6 +22,7 @@ use crate::keystore::{Finish, KeyState, KeyStore, KeyStoreError, Release};
 use crate::ledger::external;
 use crate::rail::{CallOutcome, ProbeOutcome, Verdict};
 
+use super::error::{Cause, Fenced};
 use super::lease::Attempt;
 use super::{Answer, Engine, EngineError, ExternalStep, Operation, Step, StepContext, derived_key};
 
@@ -116,10 +117,22 @@ impl<K: KeyStore> Engine<K> {
     /// can resume at once; when fenced out, nothing more is touched.
     pub(super) async fn drive<O: Operation>(&self, op: &O, attempt: &mut Attempt) -> Result<Answer, EngineError> {
         let result = self.drive_to_answer(op, attempt).await;
-        if let Err(EngineError::Transient(_) | EngineError::Fault(_)) = &result {
-            self.hand_back(attempt).await;
+        if let Err(e) = &result {
+            self.stopped(attempt, e).await;
         }
         result
+    }
+
+    /// An attempt that stopped short of an answer: after a failure it hands
+    /// the key back; fenced out, it touches nothing and is counted.
+    pub(super) async fn stopped(&self, attempt: &Attempt, e: &EngineError) {
+        match e {
+            _ if e.hands_back() => self.hand_back(attempt).await,
+            EngineError::FencedOut(by) if *by != Fenced::Race => {
+                metrics::counter!("keyfence_fenced_out_total", "store" => by.as_str()).increment(1);
+            }
+            _ => {}
+        }
     }
 
     pub(super) async fn drive_to_answer<O: Operation>(
@@ -231,7 +244,7 @@ impl<K: KeyStore> Engine<K> {
                 Ok(Settled::Verdict(verdict))
             }
             CallOutcome::NotApplied(why) => {
-                Err(EngineError::Transient(format!("{} refused the instruction: {why}", ext.name)))
+                Err(EngineError::Transient(Cause::Rail(format!("{} refused the instruction: {why}", ext.name))))
             }
             CallOutcome::Unknown(why) => self.park(attempt, ext, &why).await,
         }

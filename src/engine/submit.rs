@@ -168,9 +168,7 @@ impl<K: KeyStore> Engine<K> {
         match adopted.await {
             Ok(at) => attempt.at = at,
             Err(e) => {
-                if let EngineError::Transient(_) | EngineError::Fault(_) = e {
-                    self.hand_back(&attempt).await;
-                }
+                self.stopped(&attempt, &e).await;
                 return Err(e);
             }
         }

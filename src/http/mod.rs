@@ -73,6 +73,9 @@ async fn count_answers(request: Request, next: Next) -> Response {
         _ => "other",
     };
     let response = next.run(request).await;
+    if let Some(problem::InternalFailure(why)) = response.extensions().get() {
+        tracing::error!(error = %why, "internal error");
+    }
     let replayed = response.headers().contains_key("idempotent-replayed");
     let answer = match response.status().as_u16() {
         201 if replayed => "replayed",

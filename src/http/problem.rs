@@ -59,15 +59,19 @@ pub enum ApiError {
     Internal(String),
 }
 
+/// Why an answer is a 500, for the log (the body says nothing of it).
+#[derive(Clone, Debug)]
+pub struct InternalFailure(pub String);
+
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             // Another attempt owns the request now; the client's retry will
             // find it in flight or finished.
-            EngineError::FencedOut => ApiError::InFlight { retry_after: Duration::from_secs(1) },
+            EngineError::FencedOut(_) => ApiError::InFlight { retry_after: Duration::from_secs(1) },
             EngineError::Transient(_) => ApiError::Unavailable { retry_after: Duration::from_secs(1) },
             EngineError::RegionFailed(region) => ApiError::RegionFailed(region),
-            EngineError::Fault(why) => ApiError::Internal(why),
+            EngineError::Fault(_) | EngineError::Broken(_) => ApiError::Internal(e.to_string()),
         }
     }
 }
@@ -253,16 +257,13 @@ impl IntoResponse for ApiError {
                 format!("This read was forwarded for region {meant_for}; this front door serves region {here}."),
                 None,
             ),
-            ApiError::Internal(why) => {
-                tracing::error!(error = %why, "internal error");
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    "Internal error",
-                    "Retry with the same Idempotency-Key; the request will not be applied twice.".to_owned(),
-                    None,
-                )
-            }
+            ApiError::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal error",
+                "Retry with the same Idempotency-Key; the request will not be applied twice.".to_owned(),
+                None,
+            ),
         };
         let mut body = json!({
             "type": format!("urn:keyfence:problem:{slug}"),
@@ -297,6 +298,10 @@ impl IntoResponse for ApiError {
         }
         if matches!(self, ApiError::Unauthenticated) {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        // Logged once, by the layer that sees every answer, never in the body.
+        if let ApiError::Internal(why) = self {
+            response.extensions_mut().insert(InternalFailure(why));
         }
         response
     }

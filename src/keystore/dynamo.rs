@@ -13,7 +13,7 @@ use aws_config::timeout::TimeoutConfig;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::config::{Credentials, Region};
-use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::put_item::PutItemError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
@@ -24,7 +24,7 @@ use aws_sdk_dynamodb::types::{
 use super::item::{CONTROL_PREFIX, attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{
     Claim, Finish, Handoff, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release,
-    StaleKey, handoff,
+    StaleKey, StoreFailure, handoff,
 };
 use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
@@ -129,7 +129,7 @@ impl DynamoKeyStore {
                     put.map(|p| WriteRequest::builder().put_request(p).build())
                 })
                 .collect::<Result<_, _>>()
-                .map_err(|e| KeyStoreError::Fault(e.to_string()))?;
+                .map_err(|e| KeyStoreError::Fault(StoreFailure::of(e)))?;
             while !pending.is_empty() {
                 let out = self
                     .client
@@ -137,7 +137,7 @@ impl DynamoKeyStore {
                     .request_items(&self.table, pending)
                     .send()
                     .await
-                    .map_err(|e| store_error(&e))?;
+                    .map_err(store_error)?;
                 pending = out.unprocessed_items().and_then(|u| u.get(&self.table)).cloned().unwrap_or_default();
             }
         }
@@ -175,7 +175,7 @@ impl DynamoKeyStore {
                     .expression_attribute_names("#lease", attr::LEASE_UNTIL)
                     .expression_attribute_values(":before", n(before.get()));
             }
-            let page = query.send().await.map_err(|e| store_error(&e))?;
+            let page = query.send().await.map_err(store_error)?;
             for entry in page.items() {
                 found.push(decode(entry)?);
             }
@@ -290,7 +290,7 @@ const ABSENT_OR_EXPIRED: &str = "attribute_not_exists(pk) OR (#state = :finished
 const HELD_BY_ME: &str = "#fence = :mine AND #owner = :me AND #state = :started";
 
 impl KeyStore for DynamoKeyStore {
-    #[tracing::instrument(skip_all, fields(pk = %claim.key))]
+    #[tracing::instrument(skip_all, fields(otel.name = "PutItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "PutItem", pk = %claim.key))]
     async fn claim(&self, claim: &Claim) -> Result<KeyItem, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "claim")]);
         let item = KeyItem::claimed(claim);
@@ -314,7 +314,7 @@ impl KeyStore for DynamoKeyStore {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, seen = %seen))]
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", pk = %key, seen = %seen))]
     async fn take_over(
         &self,
         key: &ScopedKey,
@@ -328,7 +328,7 @@ impl KeyStore for DynamoKeyStore {
         self.replace_owner(key, seen, owner, lease, when, |_| true).await
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, seen = %seen, from, to))]
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", pk = %key, seen = %seen, from, to))]
     async fn fail_over(
         &self,
         key: &ScopedKey,
@@ -353,7 +353,7 @@ impl KeyStore for DynamoKeyStore {
         .await
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", pk = %key, fence = %holder.fence))]
     async fn heartbeat(&self, key: &ScopedKey, holder: &Holder, lease: Lease) -> Result<Millis, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "heartbeat")]);
         match self.set_lease(key, holder, lease.until()).await {
@@ -362,7 +362,7 @@ impl KeyStore for DynamoKeyStore {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence))]
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", pk = %key, fence = %holder.fence))]
     async fn finish(&self, key: &ScopedKey, holder: &Holder, finish: &Finish) -> Result<KeyItem, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "finish")]);
         let mut values = held_by(holder, [(":finished", s(KeyState::Finished.as_str()))]);
@@ -404,7 +404,7 @@ impl KeyStore for DynamoKeyStore {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, fence = %holder.fence, how = ?how))]
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", pk = %key, fence = %holder.fence, how = ?how))]
     async fn release(&self, key: &ScopedKey, holder: &Holder, how: Release) -> Result<(), KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "release")]);
         let how = if holder.fence == Fence::FIRST { how } else { Release::Reopen };
@@ -435,7 +435,7 @@ impl KeyStore for DynamoKeyStore {
             Err(failure) => Err(fenced_out(failure)?),
         }
     }
-    #[tracing::instrument(skip_all, fields(pk = %key))]
+    #[tracing::instrument(skip_all, fields(otel.name = "DeleteItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "DeleteItem", pk = %key))]
     async fn delete_expired(&self, key: &ScopedKey, gone_before: Millis) -> Result<bool, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "delete_expired")]);
         let sent = self
@@ -456,7 +456,7 @@ impl KeyStore for DynamoKeyStore {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key))]
+    #[tracing::instrument(skip_all, fields(otel.name = "GetItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "GetItem", pk = %key))]
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "get")]);
         let out = self
@@ -467,11 +467,11 @@ impl KeyStore for DynamoKeyStore {
             .consistent_read(true)
             .send()
             .await
-            .map_err(|e| store_error(&e))?;
+            .map_err(store_error)?;
         out.item().map(decode).transpose()
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %item.key))]
+    #[tracing::instrument(skip_all, fields(otel.name = "PutItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "PutItem", pk = %item.key))]
     async fn restore(&self, item: &KeyItem) -> Result<(), KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "restore")]);
         let sent = self
@@ -492,7 +492,7 @@ impl KeyStore for DynamoKeyStore {
         }
     }
 
-    #[tracing::instrument(skip(self))]
+    #[tracing::instrument(skip(self), fields(otel.name = "Scan", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "Scan"))]
     async fn scan(
         &self,
         segment: u32,
@@ -510,7 +510,7 @@ impl KeyStore for DynamoKeyStore {
             .set_exclusive_start_key(start)
             .send()
             .await
-            .map_err(|e| store_error(&e))?;
+            .map_err(store_error)?;
         let items = page
             .items()
             .iter()
@@ -523,13 +523,13 @@ impl KeyStore for DynamoKeyStore {
         Ok((items, next))
     }
 
-    #[tracing::instrument(skip(self))]
+    #[tracing::instrument(skip(self), fields(otel.name = "Query", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "Query"))]
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "stale_in_flight")]);
         self.query_index(shard_name(shard), Some(now), decode_stale).await
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %handoff.key, from = %handoff.from))]
+    #[tracing::instrument(skip_all, fields(otel.name = "PutItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "PutItem", pk = %handoff.key, from = %handoff.from))]
     async fn hand_off(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "hand_off")]);
         self.client
@@ -539,16 +539,16 @@ impl KeyStore for DynamoKeyStore {
             .send()
             .await
             .map(drop)
-            .map_err(|e| store_error(&e))
+            .map_err(store_error)
     }
 
-    #[tracing::instrument(skip(self))]
+    #[tracing::instrument(skip(self), fields(otel.name = "Query", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "Query"))]
     async fn handoffs(&self, from: &str, shard: u64) -> Result<Vec<Handoff>, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "handoffs")]);
         self.query_index(handoff::index_partition(from, shard), None, |entry| handoff::decode(from, entry)).await
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %key, from))]
+    #[tracing::instrument(skip_all, fields(otel.name = "GetItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "GetItem", pk = %key, from))]
     async fn handoff_of(&self, from: &str, key: &ScopedKey, created_at: Millis) -> Result<bool, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "handoff_of")]);
         let out = self
@@ -560,11 +560,11 @@ impl KeyStore for DynamoKeyStore {
             .projection_expression(attr::PK)
             .send()
             .await
-            .map_err(|e| store_error(&e))?;
+            .map_err(store_error)?;
         Ok(out.item().is_some())
     }
 
-    #[tracing::instrument(skip_all, fields(pk = %handoff.key, from = %handoff.from))]
+    #[tracing::instrument(skip_all, fields(otel.name = "DeleteItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "DeleteItem", pk = %handoff.key, from = %handoff.from))]
     async fn forget_handoff(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "forget_handoff")]);
         self.client
@@ -574,7 +574,7 @@ impl KeyStore for DynamoKeyStore {
             .send()
             .await
             .map(drop)
-            .map_err(|e| store_error(&e))
+            .map_err(store_error)
     }
 }
 
@@ -659,25 +659,24 @@ impl ConditionFailure for DeleteItemError {
 
 fn classify<E>(err: SdkError<E, HttpResponse>) -> Failure
 where
-    E: ConditionFailure + ProvideErrorMetadata + std::error::Error + 'static,
+    E: ConditionFailure + ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
 {
     if let Some(item) = err.as_service_error().and_then(ConditionFailure::condition_item) {
         return Failure::Condition(item.cloned());
     }
-    Failure::Store(store_error(&err))
+    Failure::Store(store_error(err))
 }
 
 /// Separates throttling and unavailability (transient, worth a client retry)
 /// from faults (configuration or data problems).
-fn store_error<E>(err: &SdkError<E, HttpResponse>) -> KeyStoreError
+fn store_error<E>(err: SdkError<E, HttpResponse>) -> KeyStoreError
 where
-    E: ProvideErrorMetadata + std::error::Error + 'static,
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
 {
-    let message = DisplayErrorContext(err).to_string();
-    match err {
+    let kind = match &err {
         SdkError::ServiceError(ctx) => match ctx.err().code() {
             Some("ProvisionedThroughputExceededException" | "RequestLimitExceeded" | "ThrottlingException") => {
-                KeyStoreError::Throttled(message)
+                KeyStoreError::Throttled
             }
             // A write that raced another region's write on the same item
             // (multi-Region strong consistency): nothing was applied.
@@ -686,13 +685,14 @@ where
                 | "ServiceUnavailable"
                 | "ReplicatedWriteConflictException"
                 | "TransactionConflictException",
-            ) => KeyStoreError::Unavailable(message),
-            _ if ctx.raw().status().is_server_error() => KeyStoreError::Unavailable(message),
-            _ => KeyStoreError::Fault(message),
+            ) => KeyStoreError::Unavailable,
+            _ if ctx.raw().status().is_server_error() => KeyStoreError::Unavailable,
+            _ => KeyStoreError::Fault,
         },
         SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => {
-            KeyStoreError::Unavailable(message)
+            KeyStoreError::Unavailable
         }
-        _ => KeyStoreError::Fault(message),
-    }
+        _ => KeyStoreError::Fault,
+    };
+    kind(StoreFailure::of(err))
 }

@@ -10,7 +10,7 @@ use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
-use super::{Claim, Holder, KeyStoreError};
+use super::{Claim, Holder, KeyStoreError, StoreFailure};
 use crate::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
 /// The partition-key prefix of the table's control items (the region
@@ -295,7 +295,7 @@ fn get_b<'a>(attrs: &'a HashMap<String, AttributeValue>, name: &str) -> Result<&
 }
 
 pub(super) fn malformed(name: &str, why: impl std::fmt::Display) -> KeyStoreError {
-    KeyStoreError::Fault(format!("key item attribute {name}: {why}"))
+    KeyStoreError::Fault(StoreFailure::said(format!("key item attribute {name}: {why}")))
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use uuid::Uuid;
 use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
 pub use dynamo::{ConnectError, DynamoKeyStore, connect};
-pub use error::KeyStoreError;
+pub use error::{KeyStoreError, StoreFailure};
 pub use handoff::Handoff;
 pub use item::attr::{INFLIGHT as INDEX_PARTITION, LEASE_UNTIL as INDEX_SORT};
 pub use item::{CONTROL_PREFIX, INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use aws_sdk_dynamodb::Client;
-use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
+use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, MultiRegionConsistency,
     Projection, ProjectionType, ScalarAttributeType, TableDescription, TableStatus, TimeToLiveSpecification,
@@ -20,8 +20,8 @@ use aws_sdk_dynamodb::types::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::KeyStoreError;
 use super::item::attr;
+use super::{KeyStoreError, StoreFailure};
 
 /// The GSI over started items: hash `inflight` (a shard), range `lease_until`.
 pub const INFLIGHT_INDEX: &str = "inflight-by-lease";
@@ -219,7 +219,9 @@ pub async fn check_table(client: &Client, table: &str) -> Result<TableCheck, Key
         Err(e) => return Err(fault(e)),
     };
     let Some(description) = described.table() else {
-        return Err(KeyStoreError::Fault(format!("table {table} was described without a description")));
+        return Err(KeyStoreError::Fault(StoreFailure::said(format!(
+            "table {table} was described without a description"
+        ))));
     };
     let mut check =
         TableCheck { problems: Schema::expected().missing_from(&Schema::of(description)), notes: Vec::new() };
@@ -343,7 +345,7 @@ async fn wait_active(client: &Client, table: &str) -> Result<(), KeyStoreError> 
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Err(KeyStoreError::Unavailable(format!("table {table} did not become active within a minute")))
+    Err(KeyStoreError::Unavailable(StoreFailure::said(format!("table {table} did not become active within a minute"))))
 }
 
 async fn enable_ttl(client: &Client, table: &str) -> Result<(), KeyStoreError> {
@@ -358,8 +360,8 @@ async fn enable_ttl(client: &Client, table: &str) -> Result<(), KeyStoreError> {
     Ok(())
 }
 
-fn fault(e: impl std::error::Error + 'static) -> KeyStoreError {
-    KeyStoreError::Fault(DisplayErrorContext(&e).to_string())
+fn fault(e: impl std::error::Error + Send + Sync + 'static) -> KeyStoreError {
+    KeyStoreError::Fault(StoreFailure::of(e))
 }
 
 #[cfg(test)]

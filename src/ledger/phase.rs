@@ -167,7 +167,7 @@ impl Ledger {
     /// phase has committed yet) and returns where to resume. A new owner
     /// calls this right after a takeover: from then on every write of the
     /// previous owner finds a newer fence and is refused.
-    #[tracing::instrument(skip_all, fields(key = %request.key, fence = %fence))]
+    #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "adopt", key = %request.key, fence = %fence))]
     pub async fn adopt(
         &self,
         request: &RequestRecord,
@@ -190,7 +190,7 @@ impl Ledger {
 
     /// Opens the phase that moves `request` from `from` to `to` under
     /// `fence`. The first phase (from `STARTED`) also creates the row.
-    #[tracing::instrument(skip_all, fields(key = %request.key, fence = %fence, to = %to))]
+    #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "begin_phase", key = %request.key, fence = %fence, to = %to))]
     pub async fn begin_phase(
         &self,
         request: &RequestRecord,

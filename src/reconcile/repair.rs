@@ -166,7 +166,7 @@ async fn rebuild<K: KeyStore>(
         Ok(other) => Acted::Unresolved(format!("rebuild stopped: {other:?}")),
         // A phase was already past where this rebuild stood: another
         // reconciler is rebuilding it (if it dies, the next run resumes).
-        Err(EngineError::FencedOut) => Acted::Others("another reconciler is rebuilding it".into()),
+        Err(EngineError::FencedOut(_)) => Acted::Others("another reconciler is rebuilding it".into()),
         Err(e) => return Err(e),
     })
 }
@@ -184,7 +184,7 @@ async fn resume<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Acted,
         Ok(Recovery::Resumed(Answer::Pending { .. })) => Acted::Unresolved(
             "took it over; the external outcome is still unknown (probed, parked, listed if indeterminate)".into(),
         ),
-        Ok(Recovery::Lost) | Err(EngineError::FencedOut) => Acted::Others("another owner holds it now".into()),
+        Ok(Recovery::Lost) | Err(EngineError::FencedOut(_)) => Acted::Others("another owner holds it now".into()),
         Ok(other) => Acted::Unresolved(format!("not resumed: {other:?}")),
         Err(e) => return Err(e),
     })

@@ -68,7 +68,7 @@ async fn acknowledged_writes_beside_transactions_are_never_lost() {
             .set_exclusive_start_key(start)
             .send()
             .await
-            .map_err(|e| KeyStoreError::Fault(e.to_string()))
+            .map_err(|e| KeyStoreError::Fault(keyfence::keystore::StoreFailure::of(e)))
             .unwrap();
         stored += page.items().len();
         start = page.last_evaluated_key().cloned();

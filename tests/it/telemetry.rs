@@ -63,7 +63,19 @@ async fn spans_of_a_payment_reach_the_otlp_collector_by_the_time_serve_stops() {
         assert_eq!(content_type, "application/x-protobuf");
     }
     let exported: Vec<u8> = received.iter().flat_map(|(_, _, body)| body.iter().copied()).collect();
-    for expected in ["keyfence", "submit", "claim", "begin_phase", "send", "finish"] {
+    // Named by OpenTelemetry's conventions: the HTTP request by its route,
+    // DynamoDB calls by their operation, both stores by their system.
+    for expected in [
+        "keyfence",
+        "POST /v1/payments",
+        "submit",
+        "PutItem",
+        "UpdateItem",
+        "aws.dynamodb",
+        "postgresql",
+        "begin_phase",
+        "send",
+    ] {
         assert!(contains(&exported, expected), "no {expected:?} in the exported spans");
     }
 }
