@@ -355,9 +355,27 @@ pub struct EngineConfig {
     pub rails: RailSettings,
     #[command(flatten)]
     pub work: WorkSettings,
+    /// The settings left at their local-development defaults (their
+    /// variables' names), which the command line fills in: away from a
+    /// local endpoint no command works the protocol on them.
+    #[arg(skip)]
+    pub defaulted: Vec<&'static str>,
 }
 
 impl EngineConfig {
+    /// Why these settings would work the protocol on local-development
+    /// defaults away from a local endpoint, if they would.
+    pub fn local_defaults_elsewhere(&self) -> Option<String> {
+        (!self.keys.local_endpoint() && !self.defaulted.is_empty()).then(|| {
+            format!(
+                "{} left at the local-development default outside a local endpoint (AWS_ENDPOINT_URL is {}): set \
+                 each explicitly for this region",
+                self.defaulted.join(", "),
+                self.keys.aws_endpoint_url.as_deref().unwrap_or("unset, so AWS itself"),
+            )
+        })
+    }
+
     /// What makes these settings unable to work together, if anything. An
     /// owner checks its lease before each external call and renews it once
     /// a third is gone, so the longest call (every attempt timing out) must
@@ -399,11 +417,6 @@ impl EngineConfig {
 pub struct ServeSettings {
     #[command(flatten)]
     pub engine: EngineConfig,
-    /// The settings left at their local-development defaults (their
-    /// variables' names), which the command line fills in: outside a local
-    /// endpoint `serve` refuses to start on them.
-    #[arg(skip)]
-    pub defaulted: Vec<&'static str>,
     /// Address to listen on.
     #[arg(long, env = "KEYFENCE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: std::net::SocketAddr,

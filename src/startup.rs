@@ -109,6 +109,9 @@ pub async fn migrate(
 
 /// The engine over the configured stores and rails.
 pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore>, StartupError> {
+    if let Some(why) = config.local_defaults_elsewhere() {
+        return Err(StartupError::Settings(vec![why]));
+    }
     let client = keystore::connect(&config.keys).await?;
     let regions = RegionView::new(RegionStore::new(client.clone(), config.keys.table.clone()), REGION_VIEW_AGE);
     let keys = DynamoKeyStore::new(client, config.keys.table.clone());
@@ -148,14 +151,7 @@ impl Application {
     /// Builds it, refusing settings that cannot work together.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
         let mut conflicts = settings.engine.conflicts();
-        if !settings.engine.keys.local_endpoint() && !settings.defaulted.is_empty() {
-            conflicts.push(format!(
-                "{} left at the local-development default outside a local endpoint (AWS_ENDPOINT_URL is {}): set \
-                 each explicitly for this region",
-                settings.defaulted.join(", "),
-                settings.engine.keys.aws_endpoint_url.as_deref().unwrap_or("unset, so AWS itself"),
-            ));
-        }
+        conflicts.extend(settings.engine.local_defaults_elsewhere());
         if !conflicts.is_empty() {
             return Err(StartupError::Settings(conflicts));
         }

@@ -45,23 +45,48 @@ enum Command {
     Pay(Box<pay::PayArgs>),
 }
 
+/// The settings whose defaults suit only the dev stack, by argument id and variable.
+const LOCAL_DEFAULTS: [(&str, &str); 4] = [
+    ("region", "KEYFENCE_REGION"),
+    ("database_url", "DATABASE_URL"),
+    ("e1_url", "KEYFENCE_E1_URL"),
+    ("e2_url", "KEYFENCE_E2_URL"),
+];
+
+/// The settings of the subcommand `matches` ran that were left at their
+/// local-development defaults.
+fn defaulted(matches: &ArgMatches) -> Vec<&'static str> {
+    let Some((_, command)) = matches.subcommand() else { return Vec::new() };
+    LOCAL_DEFAULTS
+        .iter()
+        .filter(|(id, _)| command.value_source(id) == Some(clap::parser::ValueSource::DefaultValue))
+        .map(|&(_, variable)| variable)
+        .collect()
+}
+
 impl Cli {
     /// Runs the command (`matches`: where each setting came from); its exit
     /// status says how it went.
     pub async fn run(self, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
         let done = |result: anyhow::Result<()>| result.map(|()| ExitCode::SUCCESS);
         match self.command {
-            Command::Serve(settings) => {
-                let serving = matches.subcommand_matches("serve").unwrap_or(matches);
-                serve::serve(*settings, serving).await
+            Command::Serve(mut settings) => {
+                settings.engine.defaulted = defaulted(matches);
+                serve::serve(*settings).await
             }
             Command::Migrate(args) => done(serve::migrate(*args).await),
             Command::Clients(command) => done(command.run().await),
             Command::Accounts(command) => done(command.run().await),
             Command::Maintain(args) => done(workers::maintain(args).await),
             Command::Regions(command) => done(command.run().await),
-            Command::Recover(args) => done(workers::recover(*args).await),
-            Command::Reconcile(args) => workers::reconcile(*args).await,
+            Command::Recover(mut args) => {
+                args.engine.defaulted = defaulted(matches);
+                done(workers::recover(*args).await)
+            }
+            Command::Reconcile(mut args) => {
+                args.engine.defaulted = defaulted(matches);
+                workers::reconcile(*args).await
+            }
             Command::Pay(args) => pay::pay(*args).await,
         }
     }

@@ -4,28 +4,14 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::parser::ValueSource;
-use clap::{ArgMatches, Args};
+use clap::Args;
 use keyfence::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
 use keyfence::keystore::TableChange;
 use keyfence::startup::{self, Application, MigrateOptions, StartupError, shutdown_signal};
 
-/// The settings whose defaults suit only the dev stack, by argument id and variable.
-const LOCAL_DEFAULTS: [(&str, &str); 4] = [
-    ("region", "KEYFENCE_REGION"),
-    ("database_url", "DATABASE_URL"),
-    ("e1_url", "KEYFENCE_E1_URL"),
-    ("e2_url", "KEYFENCE_E2_URL"),
-];
-
 /// Exit status 2 when the settings cannot work together (or are left at
 /// local defaults away from a local endpoint).
-pub async fn serve(mut settings: ServeSettings, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
-    settings.defaulted = LOCAL_DEFAULTS
-        .iter()
-        .filter(|(id, _)| matches.value_source(id) == Some(ValueSource::DefaultValue))
-        .map(|&(_, variable)| variable)
-        .collect();
+pub async fn serve(settings: ServeSettings) -> anyhow::Result<ExitCode> {
     let app = match Application::build(&settings).await {
         Ok(app) => app,
         Err(e @ (StartupError::Settings(_) | StartupError::Connect(_))) => {

@@ -17,7 +17,7 @@ pub struct RecoverArgs {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
-    engine: EngineConfig,
+    pub(super) engine: EngineConfig,
 }
 
 #[derive(Args)]
@@ -51,7 +51,7 @@ pub struct ReconcileArgs {
     #[arg(long = "metrics-file")]
     metrics_file: Option<std::path::PathBuf>,
     #[command(flatten)]
-    engine: EngineConfig,
+    pub(super) engine: EngineConfig,
 }
 
 /// Replaces `path` with `text` at once (a collector never reads half a file).

@@ -137,8 +137,8 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
     let mut settings = ServeSettings {
-        defaulted: Vec::new(),
         engine: EngineConfig {
+            defaulted: Vec::new(),
             keys: keys.settings.clone(),
             ledger: db.settings.clone(),
             rails: RailSettings {

@@ -11,9 +11,14 @@ use crate::harness::TestKeys;
 /// `keyfence serve` as on a host of AWS's: no endpoint (so AWS itself), no
 /// instance metadata to ask, no profile, and only `env`.
 async fn serve_on_aws(env: &[(&str, &str)]) -> (Option<i32>, String) {
+    on_aws("serve", env).await
+}
+
+/// `keyfence <subcommand>` on such a host.
+async fn on_aws(subcommand: &str, env: &[(&str, &str)]) -> (Option<i32>, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_keyfence"));
     command
-        .arg("serve")
+        .arg(subcommand)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         // Nothing here may reach beyond this machine: no metadata service, no profile.
@@ -45,6 +50,16 @@ async fn serve_refuses_local_defaults_away_from_a_local_endpoint() {
     let (code, stderr) = serve_on_aws(&[("AWS_REGION", "eu-west-1"), ("KEYFENCE_REGION", "eu-west-1")]).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("DATABASE_URL, KEYFENCE_E1_URL") && !stderr.contains("KEYFENCE_REGION,"), "{stderr}");
+}
+
+/// The workers an operator runs by hand refuse the same defaults.
+#[tokio::test]
+async fn recover_and_reconcile_refuse_local_defaults_away_from_a_local_endpoint() {
+    for subcommand in ["recover", "reconcile"] {
+        let (code, stderr) = on_aws(subcommand, &[("AWS_REGION", "eu-west-1")]).await;
+        assert_ne!(code, Some(0), "{subcommand}: {stderr}");
+        assert!(stderr.contains("KEYFENCE_REGION, DATABASE_URL"), "{subcommand}: {stderr}");
+    }
 }
 
 #[tokio::test]
