@@ -25,6 +25,9 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
+/// Enables the spans of this module (the request's) at any log level.
+const REQUEST_SPAN: &str = "keyfence::telemetry=info";
+
 const ENDPOINT_VARIABLES: [&str; 2] = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"];
 
 /// Holds the tracer provider (and its exporter, if any) until [`Telemetry::shutdown`].
@@ -34,7 +37,11 @@ pub struct Telemetry {
 
 /// Installs the global subscriber; call once, first thing in `main`.
 pub fn init() -> anyhow::Result<Telemetry> {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"))
+        // The request's span, whatever RUST_LOG says: it carries the trace
+        // that is propagated, and the trace id every log line names.
+        .add_directive(REQUEST_SPAN.parse().expect("a valid directive"));
     let provider = if ENDPOINT_VARIABLES.iter().any(|v| std::env::var_os(v).is_some()) {
         exporting()?
     } else {

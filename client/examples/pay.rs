@@ -23,20 +23,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .journal("pay-example.journal")
         .deadline(Duration::from_secs(30))
         .build()?;
-    let request = PaymentRequest {
-        amount_minor: 1250,
-        currency: "EUR".into(),
-        debtor_account: "DE89370400440532013000".into(),
-        creditor_account: "FR1420041010050500013M02606".into(),
-        end_to_end_id: invoice.to_uppercase(),
-        remittance_info: Some(format!("Invoice {invoice}")),
-    };
+    let request = PaymentRequest::new(1250, "EUR")
+        .debtor_account("DE89370400440532013000")
+        .creditor_account("FR1420041010050500013M02606")
+        .end_to_end_id(invoice.to_uppercase())
+        .remittance_info(format!("Invoice {invoice}"));
     let receipt = client.pay(&request, &OperationId::new(invoice)?).await?;
     let again = if receipt.replayed { " (paid before: this is the stored answer)" } else { "" };
     match receipt.outcome {
         Outcome::Succeeded { payment } => println!("paid {}{again}", payment.id),
         Outcome::Rejected { reason, .. } => println!("declined: {reason}{again}"),
         Outcome::Pending { .. } => println!("not final yet; run again later to learn the outcome"),
+        other => println!("{other:?}"),
     }
     println!("idempotency key {}", receipt.idempotency_key);
     Ok(())

@@ -1,10 +1,11 @@
 //! The client: one key per operation, retries that keep it, polling of
 //! pending payments, and failover from one region to the next.
 
+use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use reqwest::{Response, StatusCode};
@@ -12,37 +13,15 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::OperationId;
-use crate::journal::{Journal, JournalError};
-use crate::types::{Accepted, Declined, Outcome, Payment, PaymentRequest, Problem, Receipt};
+use crate::answer;
+use crate::error::{BuildError, PayError};
+use crate::journal::Journal;
+use crate::region;
+use crate::types::{Accepted, Declined, Outcome, Payment, PaymentRequest, PaymentStatus, Problem, Receipt};
 
-/// Why a payment could not be made at all. None of these is a lost or
-/// unknown outcome: each means keyfence refused the request as it stands.
-#[derive(Debug, thiserror::Error)]
-pub enum PayError {
-    /// `422`: this key was used before with a different request. A
-    /// programming error on the caller's side: one operation, one request.
-    #[error("idempotency key {key} was already used for a different request: {detail}")]
-    KeyReused {
-        /// The key that was sent.
-        key: String,
-        /// keyfence's explanation.
-        detail: String,
-    },
-    /// `400`, `401`, `404`, `413` and the like: retrying cannot help.
-    #[error("keyfence refused the payment ({status}): {detail}")]
-    Refused {
-        /// The HTTP status.
-        status: u16,
-        /// keyfence's explanation.
-        detail: String,
-    },
-    /// The journal could not be read or written; nothing was sent.
-    #[error(transparent)]
-    Journal(#[from] JournalError),
-    /// `pay` needs a journal to keep keys in; `pay_with_key` does not.
-    #[error("no journal: build the client with .journal(path) to pay by operation")]
-    NoJournal,
-}
+/// What every request says it is, so that keyfence's operators can tell
+/// which client (and which version of it) sent what.
+const USER_AGENT: &str = concat!(env!("CARGO_PKG_NAME"), "/", env!("CARGO_PKG_VERSION"));
 
 /// Builds a [`Client`].
 pub struct ClientBuilder {
@@ -56,7 +35,9 @@ pub struct ClientBuilder {
 }
 
 impl ClientBuilder {
-    /// The journal file that keeps each operation's key (created if absent).
+    /// The journal file that keeps each operation's key (created if absent,
+    /// readable by its owner only). The client holds it, exclusively, for
+    /// as long as it lives.
     pub fn journal(mut self, path: impl Into<PathBuf>) -> Self {
         self.journal = Some(path.into());
         self
@@ -76,23 +57,33 @@ impl ClientBuilder {
     }
 
     /// The shortest and longest pause between attempts (default 100 ms and
-    /// 5 s); a `Retry-After` longer than the pause wins.
+    /// 5 s). A `Retry-After` longer than the pause wins; one that reaches
+    /// past the deadline ends the call with `Pending` at once, since waiting
+    /// could only end there.
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
         self.min_delay = min;
         self.max_delay = max.max(min);
         self
     }
 
-    /// Opens the journal (if one was given) and makes the client.
-    pub fn build(self) -> Result<Client, JournalError> {
+    /// Checks the region URLs, opens the journal (if one was given) and
+    /// makes the client.
+    pub fn build(self) -> Result<Client, BuildError> {
+        if self.regions.is_empty() {
+            return Err(BuildError::NoRegions);
+        }
+        let regions = self.regions.iter().map(|url| region::checked(url)).collect::<Result<_, _>>()?;
         let journal = self.journal.map(Journal::open).transpose()?;
         let http = reqwest::Client::builder()
             .timeout(self.attempt_timeout)
+            .user_agent(USER_AGENT)
+            // A redirect could lead the API key anywhere, plain http included.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
-            .expect("a client with a timeout and no TLS settings always builds");
+            .map_err(BuildError::Http)?;
         Ok(Client {
             inner: Arc::new(Inner {
-                regions: self.regions,
+                regions,
                 api_key: self.api_key,
                 http,
                 journal,
@@ -105,6 +96,21 @@ impl ClientBuilder {
                 current: AtomicUsize::new(0),
             }),
         })
+    }
+}
+
+/// Shows everything but the API key, so that a builder in a log line
+/// gives nothing away.
+impl fmt::Debug for ClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientBuilder")
+            .field("regions", &self.regions)
+            .field("api_key", &"<redacted>")
+            .field("journal", &self.journal)
+            .field("deadline", &self.deadline)
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("backoff", &(self.min_delay..self.max_delay))
+            .finish()
     }
 }
 
@@ -126,6 +132,20 @@ struct Inner {
     current: AtomicUsize,
 }
 
+/// Shows the regions, the one in use and the journal, never the API key
+/// (nor, through the journal, any idempotency key).
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Client")
+            .field("regions", &self.inner.regions)
+            .field("region", &self.region())
+            .field("api_key", &"<redacted>")
+            .field("journal", &self.inner.journal)
+            .field("deadline", &self.inner.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What one attempt at the front door came to.
 enum Step {
     Done(Outcome, bool),
@@ -140,18 +160,19 @@ enum Step {
 
 impl Client {
     /// A client of one region with its journal at `journal`.
-    pub fn new(base_url: &str, api_key: &str, journal: impl Into<PathBuf>) -> Result<Self, JournalError> {
+    pub fn new(base_url: &str, api_key: &str, journal: impl Into<PathBuf>) -> Result<Self, BuildError> {
         Self::builder([base_url], api_key).journal(journal).build()
     }
 
-    /// A client of these regions, tried in order.
+    /// A client of these regions, tried in order: `https` URLs, or `http`
+    /// ones to this machine (checked by [`ClientBuilder::build`]).
     pub fn builder<I, S>(regions: I, api_key: &str) -> ClientBuilder
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
         ClientBuilder {
-            regions: regions.into_iter().map(|url| url.as_ref().trim_end_matches('/').to_owned()).collect(),
+            regions: regions.into_iter().map(|url| url.as_ref().to_owned()).collect(),
             api_key: api_key.to_owned(),
             journal: None,
             deadline: Duration::from_secs(60),
@@ -174,7 +195,8 @@ impl Client {
     /// the batch channel does from a file's lines). The same key must never
     /// carry a different request.
     pub async fn pay_with_key(&self, request: &PaymentRequest, key: &str) -> Result<Receipt, PayError> {
-        let deadline = Instant::now() + self.inner.deadline;
+        // None: a deadline further off than the clock can count, so never.
+        let deadline = Instant::now().checked_add(self.inner.deadline);
         let mut pauses = self.inner.backoff.build();
         // The payment keyfence said it is working on, and whether to poll it.
         let mut known: Option<Uuid> = None;
@@ -203,7 +225,8 @@ impl Client {
                 self.fail_over();
             }
             let pause = pauses.next().unwrap_or(self.inner.deadline).max(after.unwrap_or_default());
-            if Instant::now() + pause >= deadline {
+            let left = deadline.map_or(Duration::MAX, |deadline| deadline.saturating_duration_since(Instant::now()));
+            if pause >= left {
                 let outcome = Outcome::Pending { payment_id: known };
                 return Ok(Receipt { idempotency_key: key.to_owned(), outcome, replayed: false });
             }
@@ -213,7 +236,7 @@ impl Client {
 
     fn region(&self) -> &str {
         let regions = &self.inner.regions;
-        &regions[self.inner.current.load(Ordering::Relaxed) % regions.len().max(1)]
+        &regions[self.inner.current.load(Ordering::Relaxed) % regions.len()]
     }
 
     fn fail_over(&self) {
@@ -240,18 +263,18 @@ impl Client {
         };
         let replayed = response.headers().contains_key("idempotent-replayed");
         let status = response.status();
-        let after = retry_after(&response);
+        let after = answer::retry_after(response.headers(), SystemTime::now());
         Ok(match status.as_u16() {
-            200 | 201 => match response.json::<Payment>().await {
-                Ok(payment) => Step::Done(Outcome::Succeeded { payment }, replayed),
-                Err(_) => Step::Retry { after: None, next_region: false },
+            200 | 201 => match answer::json::<Payment>(response).await {
+                Some(payment) => Step::Done(Outcome::Succeeded { payment }, replayed),
+                None => Step::Retry { after: None, next_region: false },
             },
-            202 => match response.json::<Accepted>().await {
-                Ok(accepted) => Step::Accepted(accepted.id),
-                Err(_) => Step::Retry { after: None, next_region: false },
+            202 => match answer::json::<Accepted>(response).await {
+                Some(accepted) => Step::Accepted(accepted.id),
+                None => Step::Retry { after: None, next_region: false },
             },
             402 => {
-                let declined: Option<Declined> = response.json().await.ok();
+                let declined: Option<Declined> = answer::json(response).await;
                 let (payment_id, reason) = declined
                     .map(|d| (d.id, d.reason.or(d.detail).unwrap_or_else(|| "declined".into())))
                     .unwrap_or((None, "declined".into()));
@@ -260,7 +283,7 @@ impl Client {
             409 | 429 | 408 => Step::Retry { after, next_region: false },
             503 => Step::Retry { after, next_region: true },
             422 => return Err(PayError::KeyReused { key: key.to_owned(), detail: detail(response).await }),
-            400..=499 => return Err(PayError::Refused { status: status.as_u16(), detail: detail(response).await }),
+            300..=499 => return Err(PayError::Refused { status: status.as_u16(), detail: detail(response).await }),
             _ => Step::Retry { after, next_region: false },
         })
     }
@@ -278,23 +301,24 @@ impl Client {
             Ok(response) if response.status() == StatusCode::OK => response,
             Ok(response) => {
                 let next_region = response.status() == StatusCode::SERVICE_UNAVAILABLE;
-                return Ok(Step::Retry { after: retry_after(&response), next_region });
+                let after = answer::retry_after(response.headers(), SystemTime::now());
+                return Ok(Step::Retry { after, next_region });
             }
             Err(e) => return Ok(unanswered(&e)),
         };
-        let Ok(payment) = response.json::<Payment>().await else {
+        let Some(payment) = answer::json::<Payment>(response).await else {
             return Ok(Step::Retry { after: None, next_region: false });
         };
-        Ok(match payment.status.as_str() {
-            "succeeded" => Step::Done(Outcome::Succeeded { payment }, false),
-            "rejected" => {
+        Ok(match payment.status {
+            PaymentStatus::Succeeded => Step::Done(Outcome::Succeeded { payment }, false),
+            PaymentStatus::Rejected => {
                 let reason = payment.reason.clone().unwrap_or_else(|| "declined".into());
                 Step::Done(Outcome::Rejected { payment_id: Some(payment.id), reason }, false)
             }
-            "pending" | "indeterminate" => Step::Accepted(id),
-            // Voided here because another region finished it: the key's
-            // answer says how.
-            _ => Step::Retry { after: None, next_region: false },
+            PaymentStatus::Pending | PaymentStatus::Indeterminate => Step::Accepted(id),
+            // Voided here because another region finished it, or a status
+            // this version does not know: the key's answer says how it stands.
+            PaymentStatus::Voided | PaymentStatus::Unknown => Step::Retry { after: None, next_region: false },
         })
     }
 }
@@ -305,17 +329,11 @@ fn unanswered(error: &reqwest::Error) -> Step {
     Step::Retry { after: None, next_region: error.is_connect() || error.is_timeout() }
 }
 
-/// `Retry-After` in seconds, if the answer has one.
-fn retry_after(response: &Response) -> Option<Duration> {
-    let seconds = response.headers().get("retry-after")?.to_str().ok()?.trim().parse::<u64>().ok()?;
-    Some(Duration::from_secs(seconds))
-}
-
 /// A refusal's explanation, from its problem+json body.
 async fn detail(response: Response) -> String {
     let status = response.status();
-    match response.json::<Problem>().await {
-        Ok(problem) => problem.detail.or(problem.title).unwrap_or_else(|| status.to_string()),
-        Err(_) => status.to_string(),
+    match answer::json::<Problem>(response).await {
+        Some(problem) => problem.detail.or(problem.title).unwrap_or_else(|| status.to_string()),
+        None => status.to_string(),
     }
 }

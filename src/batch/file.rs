@@ -9,10 +9,13 @@
 //!
 //! Each line's idempotency key is `uuid5(BATCH_NAMESPACE,
 //! "{file_id}:{client_ref}")`, where the file id is the one declared with
-//! `--file-id` or else the SHA-256 of the file's bytes. Submitting the file
-//! again, or a copy of it, sends the same keys and pays nothing twice; a
-//! different file with the same lines pays again only if its id differs.
-//! The server scopes keys per client, so two clients' files never collide.
+//! `--file-id` or else the SHA-256 of the file's bytes, or, for a declared
+//! id that holds a `:` itself, `uuid5(SEPARATED_NAMESPACE,
+//! "{length of file_id in bytes}:{file_id}:{client_ref}")` (see
+//! `line_key`). Submitting the file again, or a copy of it, sends the
+//! same keys and pays nothing twice; a different file with the same lines
+//! pays again only if its id differs. The server scopes keys per client,
+//! so two clients' files never collide.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -25,6 +28,10 @@ use crate::domain::PaymentRequest;
 
 /// The namespace of batch keys (a fixed, published constant).
 pub const BATCH_NAMESPACE: Uuid = Uuid::from_u128(0x6b65_7966_656e_6365_6261_7463_6866_696c);
+
+/// The namespace of the keys of files whose declared id holds a `:` (a
+/// fixed, published constant).
+pub const SEPARATED_NAMESPACE: Uuid = Uuid::from_u128(0x6b65_7966_656e_6365_6261_7463_686c_656e);
 
 /// One line of the file, checked, with the key it is sent under.
 #[derive(Clone, Debug)]
@@ -159,16 +166,29 @@ fn check(row: Row, file_id: &str) -> Result<(String, Uuid, keyfence_client::Paym
     }
     let checked = PaymentRequest::parse(body)
         .map_err(|errors| errors.iter().map(|e| format!("{} {}", e.field, e.message)).collect::<Vec<_>>().join("; "))?;
-    let payment = keyfence_client::PaymentRequest {
-        amount_minor: checked.amount_minor,
-        currency: checked.currency,
-        debtor_account: checked.debtor_account,
-        creditor_account: checked.creditor_account,
-        end_to_end_id: checked.end_to_end_id,
-        remittance_info: checked.remittance_info,
-    };
-    let key = Uuid::new_v5(&BATCH_NAMESPACE, format!("{file_id}:{client_ref}").as_bytes());
+    let mut payment = keyfence_client::PaymentRequest::new(checked.amount_minor, checked.currency)
+        .debtor_account(checked.debtor_account)
+        .creditor_account(checked.creditor_account)
+        .end_to_end_id(checked.end_to_end_id);
+    payment.remittance_info = checked.remittance_info;
+    let key = line_key(file_id, &client_ref);
     Ok((client_ref, key, payment))
+}
+
+/// The key of line `client_ref` of file `file_id`: one key per line, and
+/// never one for two lines of different files. `{file_id}:{client_ref}`
+/// tells every pair apart as long as the file id has no `:` (the first `:`
+/// ends it), which holds for every id by hash and most declared ones: they
+/// keep the keys they always had. A declared id with a `:` would let line
+/// `c` of file `a:b` and line `b:c` of file `a` share a key, so its lines
+/// are named with the id's length in front, which says where it ends, under
+/// a namespace of their own.
+fn line_key(file_id: &str, client_ref: &str) -> Uuid {
+    if file_id.contains(':') {
+        Uuid::new_v5(&SEPARATED_NAMESPACE, format!("{}:{file_id}:{client_ref}", file_id.len()).as_bytes())
+    } else {
+        Uuid::new_v5(&BATCH_NAMESPACE, format!("{file_id}:{client_ref}").as_bytes())
+    }
 }
 
 #[cfg(test)]
@@ -190,6 +210,39 @@ mod tests {
         assert_eq!(first[0].payment.remittance_info, None);
         let other = read(Path::new("a.csv"), file.as_bytes(), "another-id").unwrap();
         assert_ne!(first[0].key, other[0].key);
+    }
+
+    #[test]
+    fn keys_of_file_ids_without_a_separator_stay_what_they_were() {
+        let file = format!("{HEADER}{GOOD}");
+        let by_hash = read(Path::new("a.csv"), file.as_bytes(), &file_id(file.as_bytes(), None)).unwrap();
+        assert_eq!(by_hash[0].key.to_string(), "47f98ae6-bb3f-57e8-b564-8a6bc895be13");
+        let declared = read(Path::new("a.csv"), file.as_bytes(), "february").unwrap();
+        assert_eq!(declared[0].key.to_string(), "c9af03b7-d481-5804-b852-1bf2da6b0437");
+    }
+
+    #[test]
+    fn a_separator_in_the_file_id_never_makes_two_lines_share_a_key() {
+        let with_ref = |client_ref: &str| format!("{HEADER}{client_ref}{}", &GOOD[2..]);
+        let a = read(Path::new("a.csv"), with_ref("c").as_bytes(), "a:b").unwrap();
+        let b = read(Path::new("b.csv"), with_ref("b:c").as_bytes(), "a").unwrap();
+        assert_ne!(a[0].key, b[0].key, "(a:b, c) and (a, b:c)");
+    }
+
+    proptest::proptest! {
+        /// Every other way to cut `{file_id}:{client_ref}` into an id and a
+        /// reference, over an alphabet of little but separators.
+        #[test]
+        fn no_other_cut_of_a_lines_name_shares_its_key(file_id in "[a:1]{0,6}", client_ref in "[a:1]{1,6}") {
+            let joined = format!("{file_id}:{client_ref}");
+            let key = line_key(&file_id, &client_ref);
+            for (at, _) in joined.match_indices(':') {
+                let (other_id, other_ref) = (&joined[..at], &joined[at + 1..]);
+                if other_id != file_id {
+                    proptest::prop_assert_ne!(line_key(other_id, other_ref), key, "({}, {})", other_id, other_ref);
+                }
+            }
+        }
     }
 
     #[test]

@@ -145,6 +145,13 @@ fn tally<'a>(summary: &mut Summary, item: &'a Item, answer: Result<Receipt, PayE
                     row.status = "pending";
                     row.payment_id = payment_id.map(|id| id.to_string()).unwrap_or_default();
                 }
+                // An outcome newer than this build: not known final, so the
+                // line counts as pending and a later run asks again.
+                other => {
+                    summary.pending += 1;
+                    row.status = "pending";
+                    row.reason = format!("{other:?}");
+                }
             }
         }
         Err(refused) => {

@@ -72,7 +72,15 @@ pub async fn pay(args: PayArgs) -> anyhow::Result<ExitCode> {
         deadline: std::time::Duration::from_secs(args.deadline_secs),
         results: args.results.unwrap_or_else(beside_the_file),
     };
-    let summary = batch::submit(items, file_id, &submission).await?;
+    let summary = match batch::submit(items, file_id, &submission).await {
+        Ok(summary) => summary,
+        // A client that cannot be built sends nothing: bad input, like a file that does not validate.
+        Err(e) if e.downcast_ref::<keyfence_client::BuildError>().is_some() => {
+            eprintln!("keyfence pay: {e}; nothing was sent.");
+            return Ok(ExitCode::from(2));
+        }
+        Err(e) => return Err(e),
+    };
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
     } else {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use keyfence::regions::{self, RegionState, RegionStore};
 use keyfence::startup::REGION_VIEW_AGE;
-use keyfence_client::{Client, Journal, OperationId, Outcome, PaymentRequest, Receipt};
+use keyfence_client::{Client, Journal, JournalError, OperationId, Outcome, PaymentRequest, PaymentStatus, Receipt};
 
 use crate::app::{TestApp, spawn_app, spawn_app_with};
 use crate::harness::eventually;
@@ -24,14 +24,19 @@ fn journal_path() -> PathBuf {
 }
 
 fn request(end_to_end_id: &str) -> PaymentRequest {
-    PaymentRequest {
-        amount_minor: 1250,
-        currency: "EUR".into(),
-        debtor_account: "DE89370400440532013000".into(),
-        creditor_account: "FR1420041010050500013M02606".into(),
-        end_to_end_id: end_to_end_id.into(),
-        remittance_info: None,
-    }
+    PaymentRequest::new(1250, "EUR")
+        .debtor_account("DE89370400440532013000")
+        .creditor_account("FR1420041010050500013M02606")
+        .end_to_end_id(end_to_end_id)
+}
+
+/// Whether the journal file holds an entry for `operation`, read while
+/// the client that holds the journal runs.
+fn journalled(journal: &PathBuf, operation: &OperationId) -> bool {
+    let text = std::fs::read_to_string(journal).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .any(|entry| entry["operation"] == operation.as_str())
 }
 
 fn client(urls: &[&str], api_key: &str, journal: &PathBuf) -> Client {
@@ -78,7 +83,11 @@ async fn a_client_killed_between_journalling_and_its_first_attempt_pays_once() {
         let operation = operation.clone();
         async move { first.pay(&request("KILLED-EARLY"), &operation).await }
     });
-    eventually("the key is journalled", async || Journal::open(&journal).unwrap().existing(&operation).is_some()).await;
+    eventually("the key is journalled", async || journalled(&journal, &operation)).await;
+    assert!(
+        matches!(Journal::open(&journal), Err(JournalError::Locked { .. })),
+        "the running client holds its journal"
+    );
     dying.abort();
     let _ = dying.await;
     let key = Journal::open(&journal).unwrap().existing(&operation).unwrap();
@@ -119,7 +128,10 @@ async fn a_client_killed_after_its_first_attempt_pays_once_on_restart() {
     .await;
 
     let again = client(&[&app.url], &app.api_key, &journal).pay(&request("KILLED-LATE"), &operation).await.unwrap();
-    assert!(succeeded(&again), "{again:?}");
+    match &again.outcome {
+        Outcome::Succeeded { payment } => assert_eq!(payment.status, PaymentStatus::Succeeded),
+        other => panic!("{other:?}"),
+    }
     assert_eq!(payments_for(&app, "KILLED-LATE").await, 1, "one payment, not two");
     assert_eq!(instructions_for(&app, "KILLED-LATE").await, 1, "one instruction at the rail");
     // And paying the same operation once more replays the same payment.

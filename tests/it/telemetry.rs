@@ -219,3 +219,43 @@ async fn without_an_exporter_every_line_of_a_request_names_its_trace_and_the_rai
     let rail_saw = rail_saw.lock().unwrap();
     assert!(rail_saw.iter().any(|parent| parent.contains(trace_id)), "the rail was sent the trace: {rail_saw:?}");
 }
+
+/// A read this region cannot answer is asked of the other regions with the
+/// caller's trace (signed reads carry `traceparent` beside their
+/// signature), with no exporter configured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_asked_of_another_region_carries_the_callers_trace() {
+    let app = spawn_app().await;
+    let peer_saw = Arc::new(Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer_url = format!("http://{}", listener.local_addr().unwrap());
+    let saw = peer_saw.clone();
+    let routes = Router::new().route(
+        "/v1/payments/{id}",
+        axum::routing::get(move |headers: HeaderMap| async move {
+            let parent = headers.get("traceparent").and_then(|v| v.to_str().ok()).unwrap_or("-").to_owned();
+            saw.lock().unwrap().push(parent);
+            StatusCode::NOT_FOUND
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, routes).await.unwrap() });
+    let regions = keyfence::regions::RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    regions.advertise("test-9", &peer_url).await.unwrap();
+    let mut command = keyfence_command(&app, "serve");
+    command.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").env("KEYFENCE_RECOVERY_INTERVAL_MS", "0");
+    let mut serve = ServeProcess::spawn(command).await;
+
+    let trace_id = "5b8aa5a2d2c872e8321cf37308d69df2";
+    let _ = app
+        .http
+        .get(format!("{}/v1/payments/{}", serve.url, uuid::Uuid::new_v4()))
+        .bearer_auth(&app.api_key)
+        .header("traceparent", format!("00-{trace_id}-051581bf3cb55c13-01"))
+        .send()
+        .await
+        .unwrap();
+    assert!(serve.terminate().await.success());
+    let peer_saw = peer_saw.lock().unwrap();
+    assert!(!peer_saw.is_empty(), "the other region was asked");
+    assert!(peer_saw.iter().all(|parent| parent.contains(trace_id)), "it was sent the caller's trace: {peer_saw:?}");
+}
