@@ -4,13 +4,16 @@
 //! point through the engine's takeover, so it is safe beside client retries
 //! and other workers. It runs inside `keyfence serve`
 //! on an interval and once, for operators, as `keyfence recover`.
-//! A parked request (an external outcome unknown) is left alone until its
-//! next probe is due (an exponential back-off, `KEYFENCE_PROBE_BACKOFF_MS`
-//! doubled per unknown outcome up to `KEYFENCE_PROBE_BACKOFF_MAX_MS`); one
-//! sweep resumes at most [`BATCH`] requests, oldest lease first, so a flood
-//! of parked requests neither takes every sweep nor delays a request whose
-//! owner died. Those still unknown after the configured attempts are listed
-//! as indeterminate for settlement (and still probed).
+//! The worker leaves a parked request (handed back after an unknown
+//! external outcome) alone until its next probe is due (an exponential
+//! back-off, `KEYFENCE_PROBE_BACKOFF_MS` doubled per unknown outcome up to
+//! `KEYFENCE_PROBE_BACKOFF_MAX_MS`), and resumes at most [`BATCH`] requests
+//! a sweep: requests whose owner died first, oldest lease first, then keys
+//! handed back, in a fresh order each sweep. A flood of parked requests
+//! neither takes every sweep nor delays a request whose owner died, and no
+//! key waits behind the same others for ever. `keyfence recover` takes
+//! everything stale at once. Requests still unknown after the configured
+//! attempts are listed as indeterminate for settlement (and still probed).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -28,8 +31,18 @@ use crate::ledger::external::Indeterminate;
 /// Requests resumed at once by one sweep.
 const PARALLEL: usize = 8;
 
-/// Requests one sweep resumes at most; the rest wait for the next.
+/// Requests one sweep of the worker resumes at most; the rest wait for the next.
 pub const BATCH: usize = 64;
+
+/// How much one sweep takes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// The worker inside `serve`: parked requests wait out their back-off,
+    /// and at most [`BATCH`] are resumed.
+    Worker,
+    /// An operator's `keyfence recover`: every stale request, now.
+    Everything,
+}
 
 /// What one sweep did.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -61,8 +74,14 @@ pub struct Failure {
 }
 
 /// Finds every stale key (and every in-flight key of a region declared
-/// failed) and resumes it; `tick` is called once per key handled.
-pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize), tick: impl Fn()) -> SweepReport {
+/// failed) and resumes those `scope` takes on; `tick` is called once per
+/// key handled.
+pub async fn sweep<K: KeyStore>(
+    engine: &Engine<K>,
+    scope: Scope,
+    on_found: impl FnOnce(usize),
+    tick: impl Fn(),
+) -> SweepReport {
     let mut report = SweepReport::default();
     let now = Millis::now();
     let failed: HashSet<String> = match engine.regions().fresh().await {
@@ -91,22 +110,20 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
         }
     }
     report.found = stale.len();
-    let mine: Vec<_> = stale
-        .iter()
-        .filter(|s| s.home_region == engine.region())
-        .map(|s| (s.key.client.as_uuid(), s.key.key.as_str().to_owned(), s.created_at))
-        .collect();
-    match engine.ledger().parked_until_later(&mine).await {
-        Ok(later) => {
-            stale.retain(|s| !later.contains(&(s.key.client.as_uuid(), s.key.key.as_str().to_owned())));
-            report.waiting = report.found - stale.len();
-        }
-        // Without the back-off's word, every stale key is due (as before it existed).
-        Err(e) => report.failed.push(Failure { key: "(parked requests)".into(), error: e.to_string() }),
+    // Requests of a region not declared failed are that region's to resume.
+    stale.retain(|s| s.home_region == engine.region() || failed.contains(&s.home_region));
+    report.other_region = report.found - stale.len();
+    if scope == Scope::Worker {
+        report.waiting = leave_parked(engine, &mut stale, &mut report.failed).await;
+        // Owners that died (a lease that ran out) first, oldest first; then
+        // keys handed back (lease 0), shuffled so none waits behind the same others.
+        let (mut died, mut handed_back): (Vec<_>, Vec<_>) = stale.into_iter().partition(|s| s.lease_until.get() > 0);
+        died.sort_by_key(|s| s.lease_until);
+        fastrand::shuffle(&mut handed_back);
+        stale = died.into_iter().chain(handed_back).collect();
+        report.deferred = stale.len().saturating_sub(BATCH);
+        stale.truncate(BATCH);
     }
-    stale.sort_by_key(|s| s.lease_until);
-    report.deferred = stale.len().saturating_sub(BATCH);
-    stale.truncate(BATCH);
     on_found(stale.len());
     let outcomes: Vec<_> = futures::stream::iter(stale)
         .map(|s| async move {
@@ -157,6 +174,32 @@ pub async fn sweep<K: KeyStore>(engine: &Engine<K>, on_found: impl FnOnce(usize)
     report
 }
 
+/// Leaves out of `stale` the keys handed back after an unknown outcome
+/// whose next probe is not due yet; returns how many. A key taken over
+/// since it was parked (its lease no longer 0) is not left: its owner may
+/// have died with it.
+async fn leave_parked<K: KeyStore>(engine: &Engine<K>, stale: &mut Vec<StaleKey>, failed: &mut Vec<Failure>) -> usize {
+    let parked: Vec<_> = stale
+        .iter()
+        .filter(|s| s.lease_until.get() == 0 && s.home_region == engine.region())
+        .map(|s| (s.key.client.as_uuid(), s.key.key.as_str().to_owned(), s.created_at))
+        .collect();
+    match engine.ledger().parked_until_later(&parked).await {
+        Ok(later) => {
+            let before = stale.len();
+            stale.retain(|s| {
+                s.lease_until.get() != 0 || !later.contains(&(s.key.client.as_uuid(), s.key.key.as_str().to_owned()))
+            });
+            before - stale.len()
+        }
+        // Without the back-off's word, every stale key is due (as before it existed).
+        Err(e) => {
+            failed.push(Failure { key: "(parked requests)".into(), error: e.to_string() });
+            0
+        }
+    }
+}
+
 /// Sweeps every `interval` until `stop`'s sender is dropped.
 pub async fn run_until_stopped<K: KeyStore + 'static>(
     engine: Arc<Engine<K>>,
@@ -168,7 +211,7 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
             _ = stop.changed() => return,
             () = tokio::time::sleep(interval) => {}
         }
-        let report = sweep(&engine, |_| {}, || {}).await;
+        let report = sweep(&engine, Scope::Worker, |_| {}, || {}).await;
         if report.found > report.waiting || !report.failed.is_empty() {
             tracing::info!(
                 found = report.found,

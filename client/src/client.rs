@@ -72,15 +72,19 @@ impl ClientBuilder {
         if self.regions.is_empty() {
             return Err(BuildError::NoRegions);
         }
-        let regions = self.regions.iter().map(|url| region::checked(url)).collect::<Result<_, _>>()?;
+        let regions: Vec<String> = self.regions.iter().map(|url| region::checked(url)).collect::<Result<_, _>>()?;
         let journal = self.journal.map(Journal::open).transpose()?;
-        let http = reqwest::Client::builder()
+        let mut http = reqwest::Client::builder()
             .timeout(self.attempt_timeout)
             .user_agent(USER_AGENT)
             // A redirect could lead the API key anywhere, plain http included.
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(BuildError::Http)?;
+            .redirect(reqwest::redirect::Policy::none());
+        // Plain http is allowed to this machine only: never through a proxy
+        // (HTTP_PROXY), which would carry the API key in clear off it.
+        if regions.iter().any(|url| url.to_ascii_lowercase().starts_with("http://")) {
+            http = http.no_proxy();
+        }
+        let http = http.build().map_err(BuildError::Http)?;
         Ok(Client {
             inner: Arc::new(Inner {
                 regions,

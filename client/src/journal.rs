@@ -86,8 +86,15 @@ impl Journal {
             Err(TryLockError::WouldBlock) => return Err(JournalError::Locked { path }),
             Err(TryLockError::Error(e)) => return Err(failed(e)),
         }
-        let (keys, whole) = read(&file).map_err(failed)?;
-        Ok(Self { path, state: Mutex::new(State { file, keys, whole }) })
+        let (keys, whole, unended) = read(&file).map_err(failed)?;
+        let mut state = State { file, keys, whole };
+        if unended {
+            // A whole entry whose newline was never written (as an earlier
+            // version of this crate could leave one): its key may have been
+            // used, so it is kept, and ended.
+            state.append(b"\n").map_err(failed)?;
+        }
+        Ok(Self { path, state: Mutex::new(state) })
     }
 
     /// The key of `operation`: the one journalled before, or a new one,
@@ -161,9 +168,10 @@ fn sync_directory(path: &Path) -> io::Result<()> {
 }
 
 /// Every whole entry's key (the first for an operation, if a line repeats
-/// one), and where the whole entries end. Lines that do not parse are
-/// skipped: torn lines ended by an earlier version of this crate.
-fn read(file: &File) -> io::Result<(HashMap<String, String>, u64)> {
+/// one), where the whole entries end, and whether the last of them lacks
+/// its newline. Lines that do not parse are skipped: torn lines ended by an
+/// earlier version of this crate.
+fn read(file: &File) -> io::Result<(HashMap<String, String>, u64, bool)> {
     let mut reader = BufReader::new(file);
     let mut keys = HashMap::new();
     let mut whole = 0;
@@ -171,12 +179,17 @@ fn read(file: &File) -> io::Result<(HashMap<String, String>, u64)> {
     loop {
         line.clear();
         let read = reader.read_until(b'\n', &mut line)?;
-        if line.last() != Some(&b'\n') {
-            // The end of the file, or a torn entry before it.
-            return Ok((keys, whole));
+        let ended = line.last() == Some(&b'\n');
+        let entry = serde_json::from_slice::<Entry>(&line);
+        if !ended {
+            // The end of the file: nothing more, a torn entry (cut off at
+            // the next append), or a whole one without its newline.
+            let Ok(entry) = entry else { return Ok((keys, whole, false)) };
+            keys.entry(entry.operation).or_insert(entry.key);
+            return Ok((keys, whole + read as u64, true));
         }
         whole += read as u64;
-        if let Ok(entry) = serde_json::from_slice::<Entry>(&line) {
+        if let Ok(entry) = entry {
             keys.entry(entry.operation).or_insert(entry.key);
         }
     }
@@ -242,17 +255,19 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_torn_just_before_its_newline_is_not_run_into() {
+    fn a_whole_entry_without_its_newline_is_kept_and_not_run_into() {
         let path = scratch("torn-newline");
         let kept = OperationId::new("kept").unwrap();
         let key = Journal::open(&path).unwrap().key_for(&kept).unwrap();
+        // Its key may have been handed out (an earlier version read such a line): it stays.
         let mut file = OpenOptions::new().append(true).open(&path).unwrap();
-        file.write_all(br#"{"operation":"torn","key":"never-handed-out"}"#).unwrap();
+        file.write_all(br#"{"operation":"unended","key":"maybe-used"}"#).unwrap();
         let after = OperationId::new("after").unwrap();
         let fresh = Journal::open(&path).unwrap().key_for(&after).unwrap();
-        assert_eq!(entries(&path).len(), 2, "the torn entry is gone, the new one whole");
+        assert_eq!(entries(&path).len(), 3, "every entry whole, none run into another");
         let reopened = Journal::open(&path).unwrap();
         assert_eq!(reopened.existing(&kept), Some(key));
+        assert_eq!(reopened.existing(&OperationId::new("unended").unwrap()).as_deref(), Some("maybe-used"));
         assert_eq!(reopened.existing(&after), Some(fresh));
     }
 

@@ -9,13 +9,12 @@
 //!
 //! Each line's idempotency key is `uuid5(BATCH_NAMESPACE,
 //! "{file_id}:{client_ref}")`, where the file id is the one declared with
-//! `--file-id` or else the SHA-256 of the file's bytes, or, for a declared
-//! id that holds a `:` itself, `uuid5(SEPARATED_NAMESPACE,
-//! "{length of file_id in bytes}:{file_id}:{client_ref}")` (see
-//! `line_key`). Submitting the file again, or a copy of it, sends the
-//! same keys and pays nothing twice; a different file with the same lines
-//! pays again only if its id differs. The server scopes keys per client,
-//! so two clients' files never collide.
+//! `--file-id` or else the SHA-256 of the file's bytes. A file id holds no
+//! `:` ([`parse_file_id`] refuses one), so the first `:` ends it and no two
+//! lines of two files share a key. Submitting the file again, or a copy of
+//! it, sends the same keys and pays nothing twice; a different file with
+//! the same lines pays again only if its id differs. The server scopes keys
+//! per client, so two clients' files never collide.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -29,9 +28,15 @@ use crate::domain::PaymentRequest;
 /// The namespace of batch keys (a fixed, published constant).
 pub const BATCH_NAMESPACE: Uuid = Uuid::from_u128(0x6b65_7966_656e_6365_6261_7463_6866_696c);
 
-/// The namespace of the keys of files whose declared id holds a `:` (a
-/// fixed, published constant).
-pub const SEPARATED_NAMESPACE: Uuid = Uuid::from_u128(0x6b65_7966_656e_6365_6261_7463_686c_656e);
+/// A declared file id: not empty, and without the `:` that ends it in
+/// each line's key (with one, line `c` of file `a:b` and line `b:c` of file
+/// `a` would share a key).
+pub fn parse_file_id(raw: &str) -> Result<String, String> {
+    if raw.is_empty() || raw.contains(':') {
+        return Err("a file id is not empty and holds no ':' (it ends the id in every line's key)".into());
+    }
+    Ok(raw.to_owned())
+}
 
 /// One line of the file, checked, with the key it is sent under.
 #[derive(Clone, Debug)]
@@ -175,20 +180,9 @@ fn check(row: Row, file_id: &str) -> Result<(String, Uuid, keyfence_client::Paym
     Ok((client_ref, key, payment))
 }
 
-/// The key of line `client_ref` of file `file_id`: one key per line, and
-/// never one for two lines of different files. `{file_id}:{client_ref}`
-/// tells every pair apart as long as the file id has no `:` (the first `:`
-/// ends it), which holds for every id by hash and most declared ones: they
-/// keep the keys they always had. A declared id with a `:` would let line
-/// `c` of file `a:b` and line `b:c` of file `a` share a key, so its lines
-/// are named with the id's length in front, which says where it ends, under
-/// a namespace of their own.
+/// The key of line `client_ref` of file `file_id` (which holds no `:`).
 fn line_key(file_id: &str, client_ref: &str) -> Uuid {
-    if file_id.contains(':') {
-        Uuid::new_v5(&SEPARATED_NAMESPACE, format!("{}:{file_id}:{client_ref}", file_id.len()).as_bytes())
-    } else {
-        Uuid::new_v5(&BATCH_NAMESPACE, format!("{file_id}:{client_ref}").as_bytes())
-    }
+    Uuid::new_v5(&BATCH_NAMESPACE, format!("{file_id}:{client_ref}").as_bytes())
 }
 
 #[cfg(test)]
@@ -222,26 +216,22 @@ mod tests {
     }
 
     #[test]
-    fn a_separator_in_the_file_id_never_makes_two_lines_share_a_key() {
-        let with_ref = |client_ref: &str| format!("{HEADER}{client_ref}{}", &GOOD[2..]);
-        let a = read(Path::new("a.csv"), with_ref("c").as_bytes(), "a:b").unwrap();
-        let b = read(Path::new("b.csv"), with_ref("b:c").as_bytes(), "a").unwrap();
-        assert_ne!(a[0].key, b[0].key, "(a:b, c) and (a, b:c)");
+    fn a_file_id_with_the_separator_is_refused() {
+        assert!(parse_file_id("a:b").is_err());
+        assert!(parse_file_id("").is_err());
+        assert_eq!(parse_file_id("february-2026").unwrap(), "february-2026");
     }
 
     proptest::proptest! {
-        /// Every other way to cut `{file_id}:{client_ref}` into an id and a
-        /// reference, over an alphabet of little but separators.
+        /// Two lines of two files with accepted ids never share a key, over
+        /// an alphabet of little but separators.
         #[test]
-        fn no_other_cut_of_a_lines_name_shares_its_key(file_id in "[a:1]{0,6}", client_ref in "[a:1]{1,6}") {
-            let joined = format!("{file_id}:{client_ref}");
-            let key = line_key(&file_id, &client_ref);
-            for (at, _) in joined.match_indices(':') {
-                let (other_id, other_ref) = (&joined[..at], &joined[at + 1..]);
-                if other_id != file_id {
-                    proptest::prop_assert_ne!(line_key(other_id, other_ref), key, "({}, {})", other_id, other_ref);
-                }
-            }
+        fn lines_of_files_with_accepted_ids_never_share_a_key(
+            (a, x) in ("[a1]{1,4}", "[a:1]{1,6}"),
+            (b, y) in ("[a1]{1,4}", "[a:1]{1,6}"),
+        ) {
+            proptest::prop_assume!((&a, &x) != (&b, &y));
+            proptest::prop_assert_ne!(line_key(&a, &x), line_key(&b, &y));
         }
     }
 

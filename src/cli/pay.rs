@@ -25,7 +25,7 @@ pub struct PayArgs {
     #[arg(long = "api-key", hide = true)]
     api_key_flag: Option<String>,
     /// The file's id, part of every line's key (default: the SHA-256 of its bytes).
-    #[arg(long = "file-id")]
+    #[arg(long = "file-id", value_parser = batch::file::parse_file_id)]
     file_id: Option<String>,
     /// Payments in flight at once.
     #[arg(short = 'c', long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -103,7 +103,9 @@ pub fn api_key(flagged: bool, file: Option<&std::path::Path>) -> Result<String, 
             .map_err(|e| format!("cannot read the API key from {}: {e}", file.display()))?
             .trim()
             .to_owned(),
-        None => std::env::var("KEYFENCE_API_KEY").map_err(|_| "no API key: set KEYFENCE_API_KEY or --api-key-file")?,
+        None => std::env::var("KEYFENCE_API_KEY")
+            .map(|key| key.trim().to_owned())
+            .map_err(|_| "no API key: set KEYFENCE_API_KEY or --api-key-file")?,
     };
     if key.is_empty() { Err("the API key is empty".into()) } else { Ok(key) }
 }

@@ -113,6 +113,7 @@ pub async fn recover(args: RecoverArgs) -> anyhow::Result<()> {
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
     let report = recovery::sweep(
         &engine,
+        recovery::Scope::Everything,
         |found| {
             progress.set_style(
                 indicatif::ProgressStyle::with_template("resuming [{bar:40}] {pos}/{len} {per_sec}")

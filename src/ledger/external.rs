@@ -73,12 +73,12 @@ pub async fn record_unknown_attempt(
     fence: Fence,
     backoff: ProbeBackoff,
 ) -> Result<i32, LedgerError> {
-    // The right-hand side reads the row before the update: `attempts` is the
-    // number of unknown outcomes before this one.
+    // The right-hand side reads the row before the update: `attempts` is
+    // one (the first send) plus the unknown outcomes before this one.
     Ok(sqlx::query_scalar(
         "UPDATE external_calls SET outcome = 'unknown', attempts = attempts + 1, fence = $5, last_attempt_at = now(),
                 next_probe_at = now() + make_interval(
-                    secs => LEAST($7, $6 * power(2, LEAST(attempts, 30))) * (0.8 + random() * 0.4))
+                    secs => LEAST($7, $6 * power(2, LEAST(GREATEST(attempts - 1, 0), 30))) * (0.8 + random() * 0.4))
           WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4
          RETURNING attempts",
     )

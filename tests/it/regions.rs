@@ -183,7 +183,7 @@ async fn another_regions_worker_drains_a_failed_region_in_one_sweep() {
 
     declare(&app, "test-1", RegionState::Failed).await;
     let b_engine = build_engine(&b.settings.engine).await.unwrap();
-    let report = recovery::sweep(&b_engine, |_| {}, || {}).await;
+    let report = recovery::sweep(&b_engine, recovery::Scope::Worker, |_| {}, || {}).await;
     assert_eq!(report.finished, keys.len(), "{}", report.summary());
     for key in &keys {
         let item = app.keys.store.get(&ScopedKey::new(client, IdempotencyKey::parse(key).unwrap())).await.unwrap();

@@ -12,7 +12,7 @@ use axum::routing::post;
 use reqwest::StatusCode as Status;
 use serde_json::Value;
 
-use crate::app::{payment, spawn_app};
+use crate::app::{TestApp, payment, spawn_app};
 use crate::process::{ServeProcess, keyfence_command};
 
 /// One export request: path, content type and body.
@@ -80,6 +80,19 @@ async fn spans_of_a_payment_reach_the_otlp_collector_by_the_time_serve_stops() {
     }
 }
 
+/// A payment sent with a caller's `traceparent`.
+async fn pay_traced(app: &TestApp, url: &str, key: &str, traceparent: &str, end_to_end_id: &str) -> reqwest::Response {
+    app.http
+        .post(format!("{url}/v1/payments"))
+        .bearer_auth(&app.api_key)
+        .header("Idempotency-Key", key)
+        .header("traceparent", traceparent)
+        .json(&payment(end_to_end_id))
+        .send()
+        .await
+        .unwrap()
+}
+
 /// A rail simulator that also keeps the `traceparent` of every request it
 /// is sent; returns its base URL.
 async fn tracing_rail(seen: Arc<Mutex<Vec<String>>>) -> String {
@@ -117,16 +130,8 @@ async fn a_callers_trace_runs_through_keyfence_to_the_rail() {
     let mut serve = ServeProcess::spawn(command).await;
 
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let created = app
-        .http
-        .post(format!("{}/v1/payments", serve.url))
-        .bearer_auth(&app.api_key)
-        .header("Idempotency-Key", "traced-2")
-        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
-        .json(&payment("E2E-TRACED-2"))
-        .send()
-        .await
-        .unwrap();
+    let created =
+        pay_traced(&app, &serve.url, "traced-2", &format!("00-{trace_id}-00f067aa0ba902b7-01"), "E2E-TRACED-2").await;
     assert_eq!(created.status(), Status::CREATED);
     assert!(serve.terminate().await.success());
 
@@ -194,16 +199,8 @@ async fn without_an_exporter_every_line_of_a_request_names_its_trace_and_the_rai
     let (mut serve, logs) = ServeProcess::spawn_logged(command).await;
 
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
-    let created = app
-        .http
-        .post(format!("{}/v1/payments", serve.url))
-        .bearer_auth(&app.api_key)
-        .header("Idempotency-Key", "traced-3")
-        .header("traceparent", format!("00-{trace_id}-b7ad6b7169203331-01"))
-        .json(&payment("E2E-TRACED-3"))
-        .send()
-        .await
-        .unwrap();
+    let created =
+        pay_traced(&app, &serve.url, "traced-3", &format!("00-{trace_id}-b7ad6b7169203331-01"), "E2E-TRACED-3").await;
     assert_eq!(created.status(), Status::CREATED);
     assert!(serve.terminate().await.success());
 

@@ -70,8 +70,8 @@ async fn a_retry_and_two_recovery_workers_resume_a_stale_key_once() {
 
     let (retry, a, b) = tokio::join!(
         app.try_pay_at(&survivor.url, &app.api_key, "stale-1", &body),
-        recovery::sweep(&first, |_| {}, || {}),
-        recovery::sweep(&second, |_| {}, || {}),
+        recovery::sweep(&first, recovery::Scope::Worker, |_| {}, || {}),
+        recovery::sweep(&second, recovery::Scope::Worker, |_| {}, || {}),
     );
     let retry = retry.unwrap();
     let retry_resumed = retry.status() == StatusCode::CREATED && retry.headers().get("idempotent-replayed").is_none();
