@@ -436,6 +436,12 @@ pub struct ServeSettings {
           value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
           default_missing_value = "true", action = clap::ArgAction::Set)]
     pub local_regions: bool,
+    /// Webhook endpoints may point inside the network (loopback, private, link-local addresses)
+    /// and, on this machine, use plain http: for development and tests only.
+    #[arg(long = "webhooks-allow-private", env = "KEYFENCE_WEBHOOKS_ALLOW_PRIVATE", default_value_t = false,
+          value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
+          default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub webhooks_allow_private: bool,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,

@@ -20,6 +20,8 @@
 //! - [`http`]: the axum front door; validates input and calls the engine.
 //! - [`recovery`], [`reconcile`], [`expiry`]: the workers beside traffic:
 //!   resuming stale requests, repairing divergence, reaping expired keys.
+//! - [`webhooks`]: the endpoints clients register to hear how their
+//!   payments end (global, control items of the key table).
 //! - [`batch`]: `keyfence pay --file`, paying a file's lines through the
 //!   client library (the `keyfence-client` crate) under deterministic keys.
 //! - [`config`], [`startup`], [`telemetry`], [`metrics`]: settings, building
@@ -45,6 +47,7 @@ pub mod recovery;
 pub mod regions;
 pub mod startup;
 pub mod telemetry;
+pub mod webhooks;
 
 #[cfg(all(feature = "failpoints", not(debug_assertions)))]
 compile_error!("the failpoints feature lets the environment crash the process: test builds only");

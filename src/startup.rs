@@ -19,6 +19,7 @@ use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
 use crate::regions::{RegionStore, RegionView};
+use crate::webhooks::{EndpointStore, TargetPolicy};
 use crate::{expiry, recovery};
 
 #[derive(Debug, thiserror::Error)]
@@ -191,6 +192,8 @@ impl Application {
             throttle: Throttle::new(settings.fair_use),
             readiness: Default::default(),
             body_limit: settings.body_limit,
+            webhooks: EndpointStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone()),
+            webhook_targets: TargetPolicy { allow_private: settings.webhooks_allow_private },
         };
         match advertisable(&url, settings.local_regions) {
             Ok(()) => {

@@ -6,6 +6,7 @@ mod clients;
 mod pay;
 mod regions;
 mod serve;
+mod webhooks;
 mod workers;
 
 use std::process::ExitCode;
@@ -43,6 +44,9 @@ enum Command {
     Reconcile(Box<workers::ReconcileArgs>),
     /// Pay every line of a CSV or JSON-lines file, exactly once even when run again.
     Pay(Box<pay::PayArgs>),
+    /// A client's webhook endpoints: add, list, remove, rotate a secret.
+    #[command(subcommand)]
+    Webhooks(webhooks::WebhooksCommand),
 }
 
 /// The settings whose defaults suit only the dev stack, by argument id and variable.
@@ -88,6 +92,7 @@ impl Cli {
                 workers::reconcile(*args).await
             }
             Command::Pay(args) => pay::pay(*args).await,
+            Command::Webhooks(command) => done(command.run().await),
         }
     }
 }

@@ -16,6 +16,7 @@ mod problem;
 pub mod server;
 mod signed;
 mod throttle;
+mod webhook_endpoints;
 
 use std::sync::Arc;
 
@@ -55,6 +56,10 @@ pub struct AppState {
     /// Bodies over this many bytes are refused (413), as soon as their
     /// declared length says so.
     pub body_limit: usize,
+    /// The clients' webhook endpoints.
+    pub webhooks: crate::webhooks::EndpointStore,
+    /// Where a webhook endpoint may point.
+    pub webhook_targets: crate::webhooks::TargetPolicy,
 }
 
 /// Counts every answer by route and class, and times it the way
@@ -69,6 +74,7 @@ async fn count_answers(request: Request, next: Next) -> Response {
         ("GET", Some("/v1/payments")) => "list_payments",
         (_, Some("/v1/payments/{id}")) => "get_payment",
         (_, Some("/v1/idempotency-keys/{key}")) => "get_key",
+        (_, Some("/v1/webhook-endpoints" | "/v1/webhook-endpoints/{id}")) => "webhook_endpoints",
         (_, Some("/healthz" | "/readyz")) => return next.run(request).await,
         _ => "other",
     };
@@ -114,6 +120,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/payments", axum::routing::post(payments::create).get(payments::by_reference))
         .route("/v1/payments/{id}", get(payments::show))
         .route("/v1/idempotency-keys/{key}", get(keys::show))
+        .route("/v1/webhook-endpoints", axum::routing::post(webhook_endpoints::create).get(webhook_endpoints::list))
+        .route("/v1/webhook-endpoints/{id}", axum::routing::delete(webhook_endpoints::remove))
         .route("/healthz", get(probes::health))
         .route("/readyz", get(probes::ready))
         .fallback(|| async { ApiError::NotFound })

@@ -170,6 +170,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         max_connection_age: Duration::from_secs(300),
         public_url: None,
         local_regions: true,
+        webhooks_allow_private: true,
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,

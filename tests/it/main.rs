@@ -53,5 +53,6 @@ mod seams;
 mod store_errors;
 mod takeovers;
 mod telemetry;
+mod webhook_endpoints;
 #[cfg(feature = "failpoints")]
 mod zombies;

@@ -1,0 +1,88 @@
+//! `/v1/webhook-endpoints`: a client registers the endpoints that hear how
+//! its payments end, lists them and removes them. The signing secret is in
+//! the answer that creates an endpoint, and nowhere else. Another client's
+//! endpoint is not found.
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::extract::{Caller, require_json};
+use super::{ApiError, AppState, json};
+use crate::domain::FieldError;
+use crate::webhooks::{self, WebhooksError};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewEndpoint {
+    url: String,
+    events: Vec<String>,
+}
+
+pub async fn create(
+    State(state): State<AppState>,
+    Caller(client): Caller,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    require_json(&headers)?;
+    let body = body.map_err(|rejection| match rejection.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge,
+        _ => ApiError::MalformedJson(rejection.body_text()),
+    })?;
+    let value = json::parse(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let asked: NewEndpoint = serde_json::from_value(value)
+        .map_err(|e| ApiError::InvalidEndpoint(vec![FieldError { field: "body", message: e.to_string() }]))?;
+    let mut errors = Vec::new();
+    let events = webhooks::checked_events(&asked.events)
+        .map_err(|message| errors.push(FieldError { field: "events", message }))
+        .ok();
+    let url = match asked.url.len() {
+        0..=2048 => state.webhook_targets.check(&asked.url).await,
+        _ => Err("at most 2048 characters".to_owned()),
+    }
+    .map_err(|message| errors.push(FieldError { field: "url", message }))
+    .ok();
+    let (Some(url), Some(events)) = (url, events) else { return Err(ApiError::InvalidEndpoint(errors)) };
+    let endpoint = state.webhooks.add(client, &url, events).await.map_err(refused)?;
+    let mut body = endpoint.public();
+    body["secret"] = json!(endpoint.secrets[0].value);
+    Ok((StatusCode::CREATED, axum::Json(body)).into_response())
+}
+
+pub async fn list(State(state): State<AppState>, Caller(client): Caller) -> Result<Response, ApiError> {
+    let endpoints = state.webhooks.list(client).await.map_err(refused)?;
+    let data: Vec<_> = endpoints.iter().map(webhooks::Endpoint::public).collect();
+    Ok(axum::Json(json!({ "data": data })).into_response())
+}
+
+pub async fn remove(
+    State(state): State<AppState>,
+    Caller(client): Caller,
+    id: Result<Path<Uuid>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Ok(Path(id)) = id else { return Err(ApiError::NotFound) };
+    state.webhooks.remove(client, id).await.map_err(refused)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// The answer to a store's refusal: not found, over the limit, or retry.
+fn refused(e: WebhooksError) -> ApiError {
+    match e {
+        WebhooksError::Unknown(_) => ApiError::NotFound,
+        WebhooksError::TooMany => ApiError::OverLimit {
+            limit: "webhook_endpoints",
+            detail: format!("A client has at most {} webhook endpoints", webhooks::MAX_ENDPOINTS),
+        },
+        WebhooksError::Contended | WebhooksError::Store(_) => {
+            tracing::warn!(error = %e, "webhook endpoints unavailable");
+            ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
+        }
+        WebhooksError::Malformed(_) => ApiError::Internal(e.to_string()),
+    }
+}

@@ -1,0 +1,173 @@
+//! `EndpointStore`: a client's webhook endpoints as one control item of
+//! the key table, `control#webhooks#client#{id}`, holding the endpoints as
+//! JSON and a version. Every change reads the item and writes it back on
+//! the condition that its version is unchanged (retried a few times when
+//! two changes meet), so no change is lost and nothing needs a transaction
+//! (the table may be multi-Region strongly consistent, which has none).
+//! Reading a client's endpoints is one strongly consistent read.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
+use aws_sdk_dynamodb::types::AttributeValue;
+use uuid::Uuid;
+
+use super::{Endpoint, MAX_ENDPOINTS, Secret};
+use crate::domain::{ClientId, Millis};
+
+const ITEM: &str = "control#webhooks#client#";
+
+/// Changes tried again when another change of the same client's endpoints came first.
+const TRIES: usize = 5;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WebhooksError {
+    #[error("the webhook endpoints could not be read or written: {0}")]
+    Store(String),
+    #[error("a webhook endpoints item is malformed: {0}")]
+    Malformed(String),
+    #[error("no webhook endpoint {0} of this client")]
+    Unknown(Uuid),
+    #[error("a client has at most {MAX_ENDPOINTS} webhook endpoints")]
+    TooMany,
+    #[error("the client's webhook endpoints kept changing meanwhile; try again")]
+    Contended,
+}
+
+/// A client's endpoints as read, with the version they were read at.
+struct Read {
+    endpoints: Vec<Endpoint>,
+    version: Option<u64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct EndpointStore {
+    client: Client,
+    table: String,
+}
+
+impl EndpointStore {
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        Self { client, table: table.into() }
+    }
+
+    /// The client's endpoints, oldest first.
+    pub async fn list(&self, owner: ClientId) -> Result<Vec<Endpoint>, WebhooksError> {
+        Ok(self.read(owner).await?.endpoints)
+    }
+
+    /// Registers an endpoint (its URL already checked) with a new secret.
+    pub async fn add(&self, owner: ClientId, url: &str, events: Vec<String>) -> Result<Endpoint, WebhooksError> {
+        let now = Millis::now().get();
+        let endpoint = Endpoint {
+            id: Uuid::now_v7(),
+            url: url.to_owned(),
+            events,
+            created_at: now,
+            secrets: vec![Secret::generate(now)],
+        };
+        self.change(owner, |endpoints| {
+            if endpoints.len() >= MAX_ENDPOINTS {
+                return Err(WebhooksError::TooMany);
+            }
+            endpoints.push(endpoint.clone());
+            Ok(())
+        })
+        .await?;
+        Ok(endpoint)
+    }
+
+    /// Removes endpoint `id` of the client.
+    pub async fn remove(&self, owner: ClientId, id: Uuid) -> Result<(), WebhooksError> {
+        self.change(owner, |endpoints| {
+            let before = endpoints.len();
+            endpoints.retain(|e| e.id != id);
+            if endpoints.len() == before { Err(WebhooksError::Unknown(id)) } else { Ok(()) }
+        })
+        .await
+    }
+
+    /// Gives endpoint `id` a new secret; the ones that signed until now go
+    /// on signing for `grace` (a receiver that has not yet switched still
+    /// verifies). Returns the endpoint, the new secret first.
+    pub async fn rotate(&self, owner: ClientId, id: Uuid, grace: Duration) -> Result<Endpoint, WebhooksError> {
+        let now = Millis::now().get();
+        let until = now.saturating_add(grace.as_millis() as u64);
+        let fresh = Secret::generate(now);
+        let mut rotated = None;
+        self.change(owner, |endpoints| {
+            let endpoint = endpoints.iter_mut().find(|e| e.id == id).ok_or(WebhooksError::Unknown(id))?;
+            endpoint.secrets.retain(|s| s.signs_at(now));
+            for secret in &mut endpoint.secrets {
+                secret.valid_until = Some(secret.valid_until.map_or(until, |at| at.min(until)));
+            }
+            endpoint.secrets.insert(0, fresh.clone());
+            rotated = Some(endpoint.clone());
+            Ok(())
+        })
+        .await?;
+        rotated.ok_or(WebhooksError::Unknown(id))
+    }
+
+    /// Reads, applies `edit`, and writes back if nobody wrote meanwhile.
+    async fn change(
+        &self,
+        owner: ClientId,
+        mut edit: impl FnMut(&mut Vec<Endpoint>) -> Result<(), WebhooksError>,
+    ) -> Result<(), WebhooksError> {
+        for _ in 0..TRIES {
+            let Read { mut endpoints, version } = self.read(owner).await?;
+            edit(&mut endpoints)?;
+            let text = serde_json::to_string(&endpoints).map_err(|e| WebhooksError::Malformed(e.to_string()))?;
+            let next = version.unwrap_or(0) + 1;
+            let mut put = self
+                .client
+                .put_item()
+                .table_name(&self.table)
+                .item("pk", AttributeValue::S(pk(owner)))
+                .item("endpoints", AttributeValue::S(text))
+                .item("version", AttributeValue::N(next.to_string()));
+            put = match version {
+                Some(seen) => put
+                    .condition_expression("#version = :seen")
+                    .expression_attribute_names("#version", "version")
+                    .expression_attribute_values(":seen", AttributeValue::N(seen.to_string())),
+                None => put.condition_expression("attribute_not_exists(pk)"),
+            };
+            match put.send().await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.code() == Some("ConditionalCheckFailedException") => continue,
+                Err(e) => return Err(WebhooksError::Store(DisplayErrorContext(&e).to_string())),
+            }
+        }
+        Err(WebhooksError::Contended)
+    }
+
+    async fn read(&self, owner: ClientId) -> Result<Read, WebhooksError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key("pk", AttributeValue::S(pk(owner)))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| WebhooksError::Store(DisplayErrorContext(&e).to_string()))?;
+        let Some(item) = out.item() else { return Ok(Read { endpoints: Vec::new(), version: None }) };
+        decode(item)
+    }
+}
+
+fn pk(owner: ClientId) -> String {
+    format!("{ITEM}{owner}")
+}
+
+fn decode(item: &HashMap<String, AttributeValue>) -> Result<Read, WebhooksError> {
+    let malformed = |what: &str| WebhooksError::Malformed(what.to_owned());
+    let text = item.get("endpoints").and_then(|v| v.as_s().ok()).ok_or_else(|| malformed("no endpoints"))?;
+    let endpoints = serde_json::from_str(text).map_err(|e| WebhooksError::Malformed(e.to_string()))?;
+    let version = item.get("version").and_then(|v| v.as_n().ok()).and_then(|n| n.parse().ok());
+    Ok(Read { endpoints, version: Some(version.ok_or_else(|| malformed("no version"))?) })
+}
