@@ -64,8 +64,11 @@ pub struct LedgerSettings {
 impl KeyStoreSettings {
     /// Whether the key table is an emulator on this machine (the endpoint is
     /// a loopback address): only then do local-development defaults apply.
+    /// The endpoint is keyfence's setting (`AWS_ENDPOINT_URL`), else the
+    /// one the SDK reads for DynamoDB alone (`AWS_ENDPOINT_URL_DYNAMODB`).
     pub fn local_endpoint(&self) -> bool {
-        self.aws_endpoint_url.as_deref().is_some_and(is_loopback_url)
+        let sdk_own = || std::env::var("AWS_ENDPOINT_URL_DYNAMODB").ok();
+        self.aws_endpoint_url.clone().or_else(sdk_own).as_deref().is_some_and(is_loopback_url)
     }
 
     /// The settings as flags-less start-up would see them: environment, then defaults.

@@ -85,7 +85,7 @@ impl Cli {
             Command::Regions(command) => done(command.run().await),
             Command::Recover(mut args) => {
                 args.engine.defaulted = defaulted(matches);
-                done(workers::recover(*args).await)
+                workers::recover(*args).await
             }
             Command::Reconcile(mut args) => {
                 args.engine.defaulted = defaulted(matches);

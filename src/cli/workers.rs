@@ -107,8 +107,16 @@ impl keyfence::expiry::Progress for ExpiryBar {
     }
 }
 
-pub async fn recover(args: RecoverArgs) -> anyhow::Result<()> {
-    let engine = startup::build_engine(&args.engine).await.context("connecting to the stores")?;
+/// Exit status 2 when the settings are refused; 1 when a key could not be resumed.
+pub async fn recover(args: RecoverArgs) -> anyhow::Result<ExitCode> {
+    let engine = match startup::build_engine(&args.engine).await {
+        Ok(engine) => engine,
+        Err(e @ startup::StartupError::Settings(_)) => {
+            eprintln!("keyfence recover: {e}");
+            return Ok(ExitCode::from(2));
+        }
+        Err(e) => return Err(e).context("connecting to the stores"),
+    };
     let progress = indicatif::ProgressBar::new_spinner().with_message("scanning the in-flight index");
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
     let report = recovery::sweep(
@@ -130,7 +138,12 @@ pub async fn recover(args: RecoverArgs) -> anyhow::Result<()> {
     } else {
         print!("{}", report.summary());
     }
-    if report.failed.is_empty() { Ok(()) } else { anyhow::bail!("{} key(s) could not be resumed", report.failed.len()) }
+    if report.failed.is_empty() {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!("keyfence recover: {} key(s) could not be resumed", report.failed.len());
+        Ok(ExitCode::from(1))
+    }
 }
 
 /// Exit status 0: the stores agree (or every finding was repaired);

@@ -57,9 +57,17 @@ async fn serve_refuses_local_defaults_away_from_a_local_endpoint() {
 async fn recover_and_reconcile_refuse_local_defaults_away_from_a_local_endpoint() {
     for subcommand in ["recover", "reconcile"] {
         let (code, stderr) = on_aws(subcommand, &[("AWS_REGION", "eu-west-1")]).await;
-        assert_ne!(code, Some(0), "{subcommand}: {stderr}");
+        assert_eq!(code, Some(2), "{subcommand}: {stderr}");
         assert!(stderr.contains("KEYFENCE_REGION, DATABASE_URL"), "{subcommand}: {stderr}");
     }
+}
+
+/// An emulator named only in the SDK's own DynamoDB variable is local too:
+/// its dev stack keeps its defaults (and asks no metadata service).
+#[tokio::test]
+async fn an_endpoint_in_the_sdks_own_variable_counts_as_local() {
+    let (_, stderr) = on_aws("recover", &[("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:1")]).await;
+    assert!(!stderr.contains("local-development default"), "{stderr}");
 }
 
 #[tokio::test]
