@@ -72,7 +72,7 @@ impl WebhooksCommand {
             Self::Add { client, url, events, allow_private, keys, json } => {
                 existing(&keys, client).await?;
                 let events = webhooks::checked_events(&events).map_err(anyhow::Error::msg)?;
-                let url = TargetPolicy { allow_private }.check(&url).await.map_err(anyhow::Error::msg)?;
+                let url = TargetPolicy { allow_private }.check(&url).await?;
                 let endpoint = store(&keys).await?.add(client, &url, events).await?;
                 let secret = &endpoint.secrets[0].value;
                 if json {

@@ -15,6 +15,7 @@ use uuid::Uuid;
 use super::extract::{Caller, require_json};
 use super::{ApiError, AppState, json};
 use crate::domain::FieldError;
+use crate::webhooks::target::Refused;
 use crate::webhooks::{self, WebhooksError};
 
 #[derive(Deserialize)]
@@ -42,12 +43,20 @@ pub async fn create(
     let events = webhooks::checked_events(&asked.events)
         .map_err(|message| errors.push(FieldError { field: "events", message }))
         .ok();
-    let url = match asked.url.len() {
-        0..=2048 => state.webhook_targets.check(&asked.url).await,
-        _ => Err("at most 2048 characters".to_owned()),
-    }
-    .map_err(|message| errors.push(FieldError { field: "url", message }))
-    .ok();
+    let url = match asked.url.chars().count() {
+        0..=2048 => match state.webhook_targets.check(&asked.url).await {
+            Ok(url) => Some(url),
+            Err(Refused::Busy) => return Err(ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }),
+            Err(Refused::Invalid(message)) => {
+                errors.push(FieldError { field: "url", message });
+                None
+            }
+        },
+        _ => {
+            errors.push(FieldError { field: "url", message: "at most 2048 characters".to_owned() });
+            None
+        }
+    };
     let (Some(url), Some(events)) = (url, events) else { return Err(ApiError::InvalidEndpoint(errors)) };
     let endpoint = state.webhooks.add(client, &url, events).await.map_err(refused)?;
     let mut body = endpoint.public();

@@ -56,10 +56,15 @@ impl std::fmt::Debug for Secret {
 }
 
 impl Secret {
-    /// A new secret: `whsec_` and 32 random bytes in base64.
+    /// A new secret: `whsec_` and 32 bytes in base64, the SHA-256 of three
+    /// random UUIDs (366 random bits).
     pub fn generate(now: u64) -> Self {
-        let bytes: Vec<u8> = [Uuid::new_v4(), Uuid::new_v4()].iter().flat_map(|u| *u.as_bytes()).collect();
-        let value = format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(bytes));
+        use sha2::Digest as _;
+        let mut seed = sha2::Sha256::new();
+        for _ in 0..3 {
+            seed.update(Uuid::new_v4().as_bytes());
+        }
+        let value = format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(seed.finalize()));
         Self { value, created_at: now, valid_until: None }
     }
 

@@ -94,7 +94,7 @@ impl EndpointStore {
     /// verifies). Returns the endpoint, the new secret first.
     pub async fn rotate(&self, owner: ClientId, id: Uuid, grace: Duration) -> Result<Endpoint, WebhooksError> {
         let now = Millis::now().get();
-        let until = now.saturating_add(grace.as_millis() as u64);
+        let until = now.saturating_add(u64::try_from(grace.as_millis()).unwrap_or(u64::MAX));
         let fresh = Secret::generate(now);
         let mut rotated = None;
         self.change(owner, |endpoints| {

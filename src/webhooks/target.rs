@@ -10,6 +10,22 @@ use std::net::IpAddr;
 /// How long a host's name may take to resolve.
 const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// Names resolved at once at most, so slow resolvers cannot tie up the
+/// threads every other lookup of the process needs.
+const RESOLVING_AT_ONCE: usize = 16;
+
+static RESOLVING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(RESOLVING_AT_ONCE);
+
+/// Why a URL is not taken.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    #[error("{0}")]
+    Invalid(String),
+    /// As many names are being resolved as may be: try again.
+    #[error("too many webhook URLs are being checked at once; try again")]
+    Busy,
+}
+
 /// What the operator allows webhooks to point at.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TargetPolicy {
@@ -20,13 +36,15 @@ pub struct TargetPolicy {
 impl TargetPolicy {
     /// `url` normalised, if a webhook may point there; else why not. The
     /// host is resolved, and every address it resolves to must be allowed.
-    pub async fn check(&self, url: &str) -> Result<String, String> {
-        let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a URL: {e}"))?;
+    /// One answer for every host that is not a public address, whether it
+    /// does not resolve or resolves inside: no view of the network's names.
+    pub async fn check(&self, url: &str) -> Result<String, Refused> {
+        let invalid = |why: &str| Refused::Invalid(why.to_owned());
+        let parsed = reqwest::Url::parse(url).map_err(|e| Refused::Invalid(format!("not a URL: {e}")))?;
         if !parsed.username().is_empty() || parsed.password().is_some() {
-            return Err("a webhook URL holds no credentials".into());
+            return Err(invalid("a webhook URL holds no credentials"));
         }
-        let host = parsed.host_str().ok_or("a webhook URL names a host")?.to_owned();
-        let port = parsed.port_or_known_default().ok_or("a webhook URL is https")?;
+        let host = parsed.host_str().ok_or_else(|| invalid("a webhook URL names a host"))?.to_owned();
         let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().ok();
         if self.allow_private {
             // Anything goes but plain http off this machine: nothing to resolve.
@@ -34,40 +52,39 @@ impl TargetPolicy {
             return match parsed.scheme() {
                 "https" => Ok(parsed.to_string()),
                 "http" if here => Ok(parsed.to_string()),
-                _ => Err("a webhook URL is https (plain http only to this machine)".into()),
+                _ => Err(invalid("a webhook URL is https (plain http only to this machine)")),
             };
         }
+        if parsed.scheme() != "https" {
+            return Err(invalid("a webhook URL is https"));
+        }
+        let not_public = || Refused::Invalid(format!("{host} is not a public address"));
         let addresses: Vec<IpAddr> = match literal {
             Some(ip) => vec![ip],
-            None => tokio::time::timeout(RESOLVE_FOR, tokio::net::lookup_host((host.as_str(), port)))
-                .await
-                .map_err(|_| format!("{host} did not resolve within {RESOLVE_FOR:?}"))?
-                .map_err(|e| format!("{host} does not resolve: {e}"))?
-                .map(|a| a.ip())
-                .collect(),
+            None => {
+                let _turn = RESOLVING.try_acquire().map_err(|_| Refused::Busy)?;
+                let port = parsed.port_or_known_default().unwrap_or(443);
+                match tokio::time::timeout(RESOLVE_FOR, tokio::net::lookup_host((host.as_str(), port))).await {
+                    Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
+                    _ => return Err(not_public()),
+                }
+            }
         };
-        if addresses.is_empty() {
-            return Err(format!("{host} does not resolve"));
-        }
-        if parsed.scheme() != "https" {
-            return Err("a webhook URL is https".into());
-        }
-        if addresses.iter().any(|ip| is_internal(*ip)) {
-            return Err(format!(
-                "{host} resolves to an address inside the network (loopback, private or link-local): not a webhook \
-                 target"
-            ));
+        if addresses.is_empty() || addresses.iter().any(|ip| is_internal(*ip)) {
+            return Err(not_public());
         }
         Ok(parsed.to_string())
     }
 }
 
-/// Loopback, private, link-local, shared, unspecified, multicast or
-/// documentation addresses: none is a receiver on the internet.
+/// Loopback, private, link-local, shared, unspecified, multicast, reserved
+/// or documentation addresses, and IPv6 forms that carry such an IPv4
+/// address (mapped, compatible, NAT64, 6to4) or tunnel (Teredo): none is a
+/// receiver on the internet.
 fn is_internal(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
+            let [a, b, c, _] = v4.octets();
             v4.is_loopback()
                 || v4.is_private()
                 || v4.is_link_local()
@@ -76,20 +93,37 @@ fn is_internal(ip: IpAddr) -> bool {
                 || v4.is_multicast()
                 || v4.is_documentation()
                 || (a == 100 && (64..128).contains(&b))
+                || (a == 192 && b == 0 && c == 0)
+                || (a == 198 && (18..20).contains(&b))
+                || (a == 192 && b == 88 && c == 99)
                 || a == 0
                 || a >= 240
         }
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => is_internal(IpAddr::V4(v4)),
-            None => {
-                let first = v6.segments()[0];
-                v6.is_loopback()
-                    || v6.is_unspecified()
-                    || v6.is_multicast()
-                    || (first & 0xfe00) == 0xfc00
-                    || (first & 0xffc0) == 0xfe80
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            let embedded = |high: u16, low: u16| {
+                is_internal(IpAddr::V4(std::net::Ipv4Addr::new(
+                    (high >> 8) as u8,
+                    high as u8,
+                    (low >> 8) as u8,
+                    low as u8,
+                )))
+            };
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_internal(IpAddr::V4(v4));
             }
-        },
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] & 0xffc0) == 0xfec0
+                || (s[0] == 0x2001 && s[1] == 0x0db8)
+                || (s[0] == 0x2001 && s[1] == 0)
+                || (s[..6] == [0; 6] && embedded(s[6], s[7]))
+                || (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] && embedded(s[6], s[7]))
+                || (s[0] == 0x2002 && embedded(s[1], s[2]))
+        }
     }
 }
 
@@ -110,6 +144,12 @@ mod tests {
             "https://[::1]/hook",
             "https://[fd00::1]/hook",
             "https://[::ffff:10.0.0.1]/hook",
+            "https://[64:ff9b::a00:1]/hook",
+            "https://[::127.0.0.1]/hook",
+            "https://[2002:a9fe:a9fe::]/hook",
+            "https://[2001::1]/hook",
+            "https://2130706433/hook",
+            "https://198.18.0.1/hook",
             "https://100.64.0.1/hook",
             "https://0.0.0.0/hook",
             "https://localhost/hook",
