@@ -3,11 +3,14 @@
 //! (its type, its length). Each turns an untrusted header into a domain type
 //! or a clear error, before any work starts.
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use serde_json::Value;
 
 use std::sync::Arc;
 
@@ -86,4 +89,28 @@ pub fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
     let declared = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let essence = declared.split(';').next().unwrap_or("").trim();
     if essence.eq_ignore_ascii_case("application/json") { Ok(()) } else { Err(ApiError::WrongContentType) }
+}
+
+/// A request's JSON body: of the declared type, whole (413 past the limit,
+/// 408 when it comes too slowly) and strict ([`super::json`]).
+pub fn json_body(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    require_json(headers)?;
+    let body = body.map_err(|rejection| match rejection.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge,
+        _ if timed_out(&rejection) => ApiError::BodyTimeout,
+        _ => ApiError::MalformedJson(rejection.body_text()),
+    })?;
+    super::json::parse(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))
+}
+
+/// Whether reading the body failed because the client took too long.
+fn timed_out(rejection: &BytesRejection) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(error) = cause {
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }

@@ -14,11 +14,11 @@ use serde_json::{Value, json};
 use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::extract::{Caller, idempotency_key, profile, require_json};
+use super::extract::{Caller, idempotency_key, json_body, profile};
 use super::live::{self, Standing};
 use super::peers::{Asked, Asker, check_target};
 use super::signed::is_forwarded;
-use super::{ApiError, AppState, json};
+use super::{ApiError, AppState};
 use crate::clients::{Profile, Refusal};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
@@ -33,13 +33,7 @@ pub async fn create(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let key = idempotency_key(&headers)?;
-    require_json(&headers)?;
-    let body = body.map_err(|rejection| match rejection.status() {
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge,
-        _ if timed_out(&rejection) => ApiError::BodyTimeout,
-        _ => ApiError::MalformedJson(rejection.body_text()),
-    })?;
-    let value = json::parse(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let value = json_body(&headers, body)?;
     let canonical = serde_jcs::to_vec(&value).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let request_hash = RequestHash::of("POST", PATH, &canonical);
     let payment = PaymentRequest::parse(value).map_err(ApiError::InvalidFields)?;
@@ -89,18 +83,6 @@ async fn permitted(
         Refusal::AccountNotPermitted => ApiError::AccountNotPermitted,
         Refusal::OverLimit { limit, detail } => ApiError::OverLimit { limit, detail },
     })
-}
-
-/// Whether reading the body failed because the client took too long.
-fn timed_out(rejection: &BytesRejection) -> bool {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
-    while let Some(error) = cause {
-        if error.is::<tower_http::timeout::TimeoutError>() {
-            return true;
-        }
-        cause = error.source();
-    }
-    false
 }
 
 /// Turns the engine's answer into HTTP: a final answer exactly as stored.

@@ -12,8 +12,8 @@ use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
 
-use super::extract::{Caller, require_json};
-use super::{ApiError, AppState, json};
+use super::extract::{Caller, json_body};
+use super::{ApiError, AppState};
 use crate::domain::FieldError;
 use crate::webhooks::target::Refused;
 use crate::webhooks::{self, WebhooksError};
@@ -31,12 +31,7 @@ pub async fn create(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    require_json(&headers)?;
-    let body = body.map_err(|rejection| match rejection.status() {
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge,
-        _ => ApiError::MalformedJson(rejection.body_text()),
-    })?;
-    let value = json::parse(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let value = json_body(&headers, body)?;
     let asked: NewEndpoint = serde_json::from_value(value)
         .map_err(|e| ApiError::InvalidEndpoint(vec![FieldError { field: "body", message: e.to_string() }]))?;
     let mut errors = Vec::new();

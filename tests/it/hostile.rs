@@ -175,3 +175,20 @@ async fn slow_clients_are_cut_off_while_others_are_served() {
     assert_eq!(app.count("payments").await, 1, "only the honest payment");
     assert_eq!(app.e2.statement().await.len(), 1);
 }
+
+/// A webhook endpoint whose body never comes in full is a 408 too, like a
+/// payment's, and nothing is registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_webhook_registration_is_a_408() {
+    let app = spawn_app_with(|s| s.body_timeout = Duration::from_millis(800)).await;
+    let host = app.url.trim_start_matches("http://").to_owned();
+    let half_body = format!(
+        "POST /v1/webhook-endpoints HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{{\"url\":",
+        app.api_key
+    );
+    let (stalled, _) = raw(&app, half_body.as_bytes(), Duration::from_secs(5)).await;
+    assert!(stalled.starts_with("HTTP/1.1 408"), "a stalled body is a 408: {stalled}");
+    let listed = app.get_as(&app.api_key, "/v1/webhook-endpoints").await.json::<Value>().await.unwrap();
+    assert_eq!(listed["data"], serde_json::json!([]));
+}
