@@ -69,13 +69,13 @@ async fn count_answers(request: Request, next: Next) -> Response {
     let started = std::time::Instant::now();
     let template = request.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned()).unwrap_or_default();
     let method = known_method(request.method());
-    let route = match (request.method().as_str(), request.extensions().get::<MatchedPath>().map(MatchedPath::as_str)) {
-        ("POST", Some("/v1/payments")) => "create_payment",
-        ("GET", Some("/v1/payments")) => "list_payments",
-        (_, Some("/v1/payments/{id}")) => "get_payment",
-        (_, Some("/v1/idempotency-keys/{key}")) => "get_key",
-        (_, Some("/v1/webhook-endpoints" | "/v1/webhook-endpoints/{id}")) => "webhook_endpoints",
-        (_, Some("/healthz" | "/readyz")) => return next.run(request).await,
+    let route = match (request.method().as_str(), template.as_str()) {
+        ("POST", "/v1/payments") => "create_payment",
+        ("GET", "/v1/payments") => "list_payments",
+        (_, "/v1/payments/{id}") => "get_payment",
+        (_, "/v1/idempotency-keys/{key}") => "get_key",
+        (_, "/v1/webhook-endpoints" | "/v1/webhook-endpoints/{id}") => "webhook_endpoints",
+        (_, "/healthz" | "/readyz") => return next.run(request).await,
         _ => "other",
     };
     let response = next.run(request).await;
