@@ -67,7 +67,10 @@ impl KeyStoreSettings {
     /// The endpoint is keyfence's setting (`AWS_ENDPOINT_URL`), else the
     /// one the SDK reads for DynamoDB alone (`AWS_ENDPOINT_URL_DYNAMODB`).
     pub fn local_endpoint(&self) -> bool {
-        let sdk_own = || std::env::var("AWS_ENDPOINT_URL_DYNAMODB").ok();
+        // The SDK reads it only while configured endpoints are not ignored.
+        let ignored =
+            std::env::var("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+        let sdk_own = || std::env::var("AWS_ENDPOINT_URL_DYNAMODB").ok().filter(|_| !ignored);
         self.aws_endpoint_url.clone().or_else(sdk_own).as_deref().is_some_and(is_loopback_url)
     }
 

@@ -68,6 +68,12 @@ async fn recover_and_reconcile_refuse_local_defaults_away_from_a_local_endpoint(
 async fn an_endpoint_in_the_sdks_own_variable_counts_as_local() {
     let (_, stderr) = on_aws("recover", &[("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:1")]).await;
     assert!(!stderr.contains("local-development default"), "{stderr}");
+    // Unless the SDK is told to ignore it: then it goes to AWS, and so do the checks.
+    let ignoring =
+        [("AWS_ENDPOINT_URL_DYNAMODB", "http://127.0.0.1:1"), ("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")];
+    let (code, stderr) = on_aws("recover", &ignoring).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("local-development default"), "{stderr}");
 }
 
 #[tokio::test]
