@@ -111,6 +111,24 @@ fn describe() {
         "Latency of ledger phases, by the recovery point reached"
     );
     describe_histogram!("keyfence_rail_seconds", Unit::Seconds, "Latency of calls to the rails, by rail and call");
+    describe_counter!(
+        "keyfence_webhook_attempts_total",
+        "Attempts to deliver a webhook event, by what the receiver did"
+    );
+    describe_counter!(
+        "keyfence_webhook_deliveries_total",
+        "Webhook deliveries ended: delivered, failed, or superseded (a lease that ran out)"
+    );
+    describe_counter!("keyfence_webhook_endpoints_disabled_total", "Webhook endpoints disabled, by why");
+    describe_gauge!(
+        "keyfence_webhook_undelivered",
+        "Webhook deliveries of this region's ledger still to arrive (and events not yet fanned out)"
+    );
+    describe_gauge!(
+        "keyfence_webhook_oldest_undelivered_seconds",
+        Unit::Seconds,
+        "Age of the oldest webhook event still to arrive (0 when none)"
+    );
 }
 
 /// Everything recorded so far, in the Prometheus text format.

@@ -19,7 +19,9 @@ use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
 use crate::regions::{RegionStore, RegionView};
-use crate::webhooks::{EndpointStore, TargetPolicy};
+use crate::webhooks::deliveries::Deliveries;
+use crate::webhooks::worker::Worker;
+use crate::webhooks::{self, EndpointStore, TargetPolicy};
 use crate::{expiry, recovery};
 
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +148,8 @@ pub struct Application {
     recovery_interval: Option<Duration>,
     /// `None`: no expiry sweeper in this process.
     expiry: Option<(Duration, expiry::Options)>,
+    /// `None`: this process delivers no webhooks.
+    webhooks: Option<(Duration, Arc<webhooks::worker::Worker>)>,
 }
 
 impl Application {
@@ -185,6 +189,12 @@ impl Application {
                 listener.local_addr().map_err(|source| StartupError::Listen { addr: settings.listen, source })?
             ),
         };
+        let endpoints = EndpointStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
+        let delivery = settings.webhook_delivery;
+        let webhooks = Some(Duration::from_millis(delivery.interval_ms)).filter(|d| !d.is_zero()).map(|every| {
+            let deliveries = Deliveries::new(engine.ledger().pool().clone());
+            (every, Arc::new(Worker::new(deliveries, endpoints.clone(), delivery, settings.webhooks_allow_private)))
+        });
         let state = AppState {
             engine: engine.clone(),
             clients,
@@ -192,7 +202,7 @@ impl Application {
             throttle: Throttle::new(settings.fair_use),
             readiness: Default::default(),
             body_limit: settings.body_limit,
-            webhooks: EndpointStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone()),
+            webhooks: endpoints.clone(),
             webhook_targets: TargetPolicy { allow_private: settings.webhooks_allow_private },
         };
         match advertisable(&url, settings.local_regions) {
@@ -237,6 +247,7 @@ impl Application {
             limits,
             recovery_interval,
             expiry,
+            webhooks,
         })
     }
 
@@ -250,8 +261,8 @@ impl Application {
         self.admin.0.local_addr()
     }
 
-    /// Serves (and runs the recovery worker, the expiry sweeper and the
-    /// ledger fence's follower) until `shutdown` resolves, then finishes
+    /// Serves (and runs the recovery worker, the expiry sweeper, the
+    /// webhook delivery worker and the ledger fence's follower) until `shutdown` resolves, then finishes
     /// in-flight requests.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let (stop, stopped) = tokio::sync::watch::channel(());
@@ -268,6 +279,8 @@ impl Application {
         let reaper = self.expiry.map(|(every, options)| {
             tokio::spawn(expiry::run_until_stopped(self.engine.clone(), every, options, stopped.clone()))
         });
+        let courier =
+            self.webhooks.map(|(every, worker)| tokio::spawn(worker.run_until_stopped(every, stopped.clone())));
         let (admin_listener, admin_router) = self.admin;
         let mut admin_stopped = stopped;
         let admin = tokio::spawn(server::serve(admin_listener, admin_router, self.limits, async move {
@@ -278,7 +291,7 @@ impl Application {
             drop(stop);
         })
         .await;
-        for task in worker.into_iter().chain(reaper).chain([follower]) {
+        for task in worker.into_iter().chain(reaper).chain(courier).chain([follower]) {
             let _ = task.await;
         }
         let _ = admin.await;

@@ -26,9 +26,10 @@ pub(crate) async fn json<T: DeserializeOwned>(mut response: Response) -> Option<
     serde_json::from_slice(&body).ok()
 }
 
-/// How long the server asks to be left alone: `Retry-After` as seconds, or
-/// as an HTTP date (a date already past asks for no wait).
-pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+/// How long a server asks to be left alone: `Retry-After` as seconds, or
+/// as an HTTP date (a date already past asks for no wait); `None` without
+/// one, or with one that is neither.
+pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(Duration::from_secs(seconds));

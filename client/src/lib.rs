@@ -63,6 +63,7 @@ mod journal;
 mod region;
 mod types;
 
+pub use answer::retry_after;
 pub use client::{Client, ClientBuilder};
 pub use error::{BuildError, PayError};
 pub use journal::{Journal, JournalError};

@@ -1,13 +1,19 @@
-//! `keyfence webhooks add|list|remove|rotate-secret`: a client's webhook
-//! endpoints, for operators (clients manage their own through the API).
+//! `keyfence webhooks add|list|remove|rotate-secret|enable`: a client's
+//! webhook endpoints, for operators (clients manage their own through the
+//! API); `keyfence webhooks deliveries|redeliver`: what this region's
+//! ledger sent, and sending it again.
 
 use anyhow::Context;
 use clap::Subcommand;
 use keyfence::clients::{ClientStore, ClientsError};
-use keyfence::config::KeyStoreSettings;
+use keyfence::config::{KeyStoreSettings, LedgerSettings};
 use keyfence::domain::ClientId;
 use keyfence::keystore;
+use keyfence::ledger::Ledger;
+use keyfence::webhooks::deliveries::{Deliveries, Listed, Redeliver};
 use keyfence::webhooks::{self, EndpointStore, TargetPolicy};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
 #[derive(Subcommand)]
@@ -64,6 +70,43 @@ pub enum WebhooksCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Send to a disabled or failing endpoint again (then redeliver what it missed).
+    Enable {
+        #[arg(long)]
+        client: ClientId,
+        #[arg(long)]
+        id: Uuid,
+        #[command(flatten)]
+        keys: KeyStoreSettings,
+    },
+    /// The deliveries of this region's ledger, newest first.
+    Deliveries {
+        /// Only the failed ones (their retries used up, or their endpoint disabled or removed).
+        #[arg(long)]
+        failed: bool,
+        /// Only those of one event.
+        #[arg(long)]
+        event: Option<Uuid>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        #[command(flatten)]
+        ledger: LedgerSettings,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Send deliveries again, from a fresh schedule and with the same `webhook-id`.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["event", "since"])))]
+    Redeliver {
+        /// Every delivery of this event, whatever became of it.
+        #[arg(long)]
+        event: Option<Uuid>,
+        /// Every failed delivery of an event written since then: an RFC 3339 time, or a duration ago (`6h`).
+        #[arg(long, value_parser = parse_since)]
+        since: Option<OffsetDateTime>,
+        #[command(flatten)]
+        ledger: LedgerSettings,
+    },
 }
 
 impl WebhooksCommand {
@@ -96,7 +139,7 @@ impl WebhooksCommand {
                     println!("{}", serde_json::to_string_pretty(&data)?);
                 } else {
                     for e in &endpoints {
-                        println!("{}  {}  {}", e.id, e.url, e.events.join(","));
+                        println!("{}  {}  {}  {}", e.id, e.status(), e.url, e.events.join(","));
                     }
                     println!("{} endpoint(s)", endpoints.len());
                 }
@@ -115,9 +158,75 @@ impl WebhooksCommand {
                     println!("the previous secret signs too for {}", humantime::format_duration(grace));
                 }
             }
+            Self::Enable { client, id, keys } => {
+                store(&keys).await?.enable(client, id).await?;
+                println!(
+                    "endpoint {id} of client {client} enabled; `keyfence webhooks redeliver` sends what it missed"
+                );
+            }
+            Self::Deliveries { failed, event, limit, ledger, json } => {
+                let listed = deliveries(&ledger).await?.list(failed, event, limit).await?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&listed)?);
+                } else {
+                    print_deliveries(&listed);
+                }
+            }
+            Self::Redeliver { event, since, ledger } => {
+                let which = match (event, since) {
+                    (Some(event), _) => Redeliver::Event(event),
+                    (None, Some(since)) => Redeliver::FailedSince(since),
+                    (None, None) => anyhow::bail!("name an --event or give --since"),
+                };
+                let sent = deliveries(&ledger).await?.redeliver(which).await?;
+                println!("{sent} delivery(ies) will be sent again, each with the webhook-id it had");
+            }
         }
         Ok(())
     }
+}
+
+fn print_deliveries(listed: &[Listed]) {
+    let when = |at: Option<OffsetDateTime>| at.and_then(|at| at.format(&Rfc3339).ok()).unwrap_or_else(|| "-".into());
+    for d in listed {
+        let status = d.last_status.map_or_else(|| "-".to_owned(), |s| s.to_string());
+        println!(
+            "{}  {:<22} payment {}  endpoint {}  {:<9} attempts {}  last {}  next {}  {}",
+            d.webhook_id,
+            d.event,
+            d.payment_id,
+            d.endpoint_id,
+            d.state,
+            d.attempts,
+            status,
+            when(d.next_attempt_at),
+            d.last_error.as_deref().unwrap_or(""),
+        );
+    }
+    let count = |state: &str| listed.iter().filter(|d| d.state == state).count();
+    println!(
+        "{} deliveries: {} delivered, {} pending, {} failed",
+        listed.len(),
+        count("delivered"),
+        count("pending"),
+        count("failed")
+    );
+}
+
+/// A time (RFC 3339), or a duration before now.
+fn parse_since(raw: &str) -> Result<OffsetDateTime, String> {
+    if let Ok(at) = OffsetDateTime::parse(raw, &Rfc3339) {
+        return Ok(at);
+    }
+    let ago =
+        humantime::parse_duration(raw).map_err(|_| format!("{raw:?} is neither an RFC 3339 time nor a duration"))?;
+    Ok(OffsetDateTime::now_utc() - ago)
+}
+
+async fn deliveries(ledger: &LedgerSettings) -> anyhow::Result<Deliveries> {
+    let connected =
+        Ledger::connect(ledger).await.with_context(|| format!("connecting to the ledger {}", ledger.database_url))?;
+    Ok(Deliveries::new(connected.pool().clone()))
 }
 
 async fn store(keys: &KeyStoreSettings) -> anyhow::Result<EndpointStore> {

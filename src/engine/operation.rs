@@ -73,6 +73,15 @@ pub trait Operation: Send + Sync {
         cx: &mut StepContext<'_>,
     ) -> impl Future<Output = Result<StoredResponse, EngineError>> + Send;
 
+    /// The business writes when the outcome of external step `step` has
+    /// stayed unknown so long it is listed for settlement, inside the phase
+    /// that marks it (which may run more than once while it stays so).
+    fn indeterminate(
+        &self,
+        step: &ExternalStep,
+        cx: &mut StepContext<'_>,
+    ) -> impl Future<Output = Result<(), EngineError>> + Send;
+
     /// What external step `step` sends.
     fn instruction(&self, step: &ExternalStep) -> Instruction;
 }

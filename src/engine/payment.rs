@@ -4,12 +4,15 @@
 //! - `H2_DONE`: the held funds move to clearing for the rail;
 //! - `EXT2_SENT` / `EXT2_DONE`: the instruction at E2, the payment rail;
 //! - `FINISHED`: clearing settles to the creditor, the payment succeeds, a
-//!   webhook event is queued, and the 201 answer is built.
+//!   webhook event (`payment.succeeded`) is queued, and the 201 answer is built.
 //!
 //! If screening rejects it or the rail declines it, the phase that records
 //! the refusal moves the funds back to the debtor from wherever they wait
 //! (the hold, or clearing), marks the payment `rejected` with the reason,
 //! queues `payment.rejected`, and builds the final answer: 402 problem+json.
+//! A payment whose outcome at a system stays unknown so long it is listed
+//! for settlement queues `payment.indeterminate` (and, once settled, one of
+//! the two above).
 //!
 //! Every entry posts two legs that cancel, so each payment's postings sum
 //! to zero.
@@ -17,9 +20,10 @@
 use std::collections::BTreeMap;
 
 use crate::domain::{PaymentRequest, RecoveryPoint, StoredResponse};
-use crate::ledger::payments::{self, Leg};
+use crate::ledger::payments::{self, Leg, Payment};
 use crate::ledger::{RequestRecord, external};
 use crate::rail::{Applied, Declined, Instruction};
+use crate::webhooks;
 
 use super::{EngineError, ExternalStep, Operation, Rail, Step, StepContext};
 
@@ -99,8 +103,7 @@ impl PaymentOperation {
         let payment =
             payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
         let body = serde_json::to_vec(&payment).map_err(|e| EngineError::Fault(e.to_string()))?;
-        let event = serde_json::json!({ "type": "payment.succeeded", "payment": payment });
-        payments::enqueue_event(cx.conn, payment.id, "payment.succeeded", &event).await?;
+        queue_event(cx, &payment, "payment.succeeded").await?;
         Ok(StoredResponse {
             status: 201,
             headers: BTreeMap::from([
@@ -110,6 +113,20 @@ impl PaymentOperation {
             body,
         })
     }
+}
+
+/// Queues webhook event `event` about `payment`, in the phase that causes
+/// it: the payment as the API shows it, but with its account numbers
+/// masked (the whole payment is one authenticated GET away).
+async fn queue_event(cx: &mut StepContext<'_>, payment: &Payment, event: &str) -> Result<(), EngineError> {
+    let mut data = serde_json::to_value(payment).map_err(|e| EngineError::Fault(e.to_string()))?;
+    data["debtor_account"] = webhooks::masked(&payment.debtor_account).into();
+    data["creditor_account"] = webhooks::masked(&payment.creditor_account).into();
+    if let Some(info) = data.as_object_mut() {
+        info.remove("remittance_info");
+    }
+    webhooks::queue::event(cx.conn, cx.request.key.client, payment.id, event, &data).await?;
+    Ok(())
 }
 
 /// The final answer of a declined payment: RFC 9457 problem+json, with the
@@ -186,9 +203,13 @@ impl Operation for PaymentOperation {
     ) -> Result<StoredResponse, EngineError> {
         self.transfer(cx, "release", &self.funds_awaiting(step), &self.debtor_account()).await?;
         let payment = payments::reject(cx.conn, cx.request.payment_id, &declined.reason_code, cx.fence).await?;
-        let event = serde_json::json!({ "type": "payment.rejected", "payment": payment });
-        payments::enqueue_event(cx.conn, payment.id, "payment.rejected", &event).await?;
+        queue_event(cx, &payment, "payment.rejected").await?;
         Ok(declined_answer(payment.id, step, declined))
+    }
+
+    async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
+        let payment = payments::current(cx.conn, cx.request.payment_id).await?;
+        queue_event(cx, &payment, "payment.indeterminate").await
     }
 
     fn instruction(&self, _step: &ExternalStep) -> Instruction {

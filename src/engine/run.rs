@@ -246,7 +246,7 @@ impl<K: KeyStore> Engine<K> {
             CallOutcome::NotApplied(why) => {
                 Err(EngineError::Transient(Cause::Rail(format!("{} refused the instruction: {why}", ext.name))))
             }
-            CallOutcome::Unknown(why) => self.park(attempt, ext, &why).await,
+            CallOutcome::Unknown(why) => self.park(op, attempt, ext, &why).await,
         }
     }
 
@@ -263,13 +263,19 @@ impl<K: KeyStore> Engine<K> {
         match self.rails.get(ext.rail).probe(&key, &instruction(op, attempt, ext)).await {
             ProbeOutcome::Found(verdict) => Ok(Settled::Verdict(verdict)),
             ProbeOutcome::NotFound => self.call(op, attempt, ext).await,
-            ProbeOutcome::Unknown(why) => self.park(attempt, ext, &why).await,
+            ProbeOutcome::Unknown(why) => self.park(op, attempt, ext, &why).await,
         }
     }
 
     /// Records an unknown outcome and hands the key back for a later
     /// resume. The request stays at `sent`: never reported as failed.
-    async fn park(&self, attempt: &mut Attempt, ext: &ExternalStep, why: &str) -> Result<Settled, EngineError> {
+    async fn park<O: Operation>(
+        &self,
+        op: &O,
+        attempt: &mut Attempt,
+        ext: &ExternalStep,
+        why: &str,
+    ) -> Result<Settled, EngineError> {
         tracing::warn!(key = %attempt.record.key, step = ext.name, why, "external outcome unknown; parking the request");
         self.check_region().await?;
         let fence = attempt.holder.fence;
@@ -287,6 +293,8 @@ impl<K: KeyStore> Engine<K> {
             metrics::counter!("keyfence_indeterminate_total", "step" => ext.name).increment(1);
             tracing::warn!(key = %attempt.record.key, step = ext.name, attempts, "outcome indeterminate; listed for settlement");
             external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, fence).await?;
+            let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
+            op.indeterminate(ext, &mut cx).await?;
         }
         phase.commit().await?;
         self.hand_back(attempt).await;

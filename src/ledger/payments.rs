@@ -119,6 +119,16 @@ pub async fn set_status(
         .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
 }
 
+/// The payment as it stands, inside a phase.
+pub async fn current(conn: &mut PgConnection, payment_id: Uuid) -> Result<Payment, LedgerError> {
+    let query = format!("SELECT {COLUMNS} FROM payments WHERE id = $1");
+    sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .bind(payment_id)
+        .fetch_optional(conn)
+        .await?
+        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
+}
+
 /// Marks a payment voided, if it has a row (a request whose first phase
 /// never committed has none).
 pub async fn mark_voided(conn: &mut PgConnection, payment_id: Uuid, fence: Fence) -> Result<(), LedgerError> {
@@ -185,20 +195,4 @@ impl Ledger {
             .fetch_all(&self.pool)
             .await?)
     }
-}
-
-/// Queues a webhook event for the payment, in the phase that causes it.
-pub async fn enqueue_event(
-    conn: &mut PgConnection,
-    payment_id: Uuid,
-    event: &str,
-    payload: &serde_json::Value,
-) -> Result<(), LedgerError> {
-    sqlx::query("INSERT INTO outbox (payment_id, event, payload) VALUES ($1, $2, $3)")
-        .bind(payment_id)
-        .bind(event)
-        .bind(payload)
-        .execute(conn)
-        .await?;
-    Ok(())
 }

@@ -14,7 +14,7 @@ use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
 use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
-use super::{Endpoint, MAX_ENDPOINTS, Secret};
+use super::{Disabled, Endpoint, MAX_ENDPOINTS, Secret};
 use crate::domain::{ClientId, Millis};
 
 const ITEM: &str = "control#webhooks#client#";
@@ -67,6 +67,8 @@ impl EndpointStore {
             events,
             created_at: now,
             secrets: vec![Secret::generate(now)],
+            failed_deliveries: 0,
+            disabled: None,
         };
         self.change(owner, |endpoints| {
             if endpoints.len() >= MAX_ENDPOINTS {
@@ -96,19 +98,76 @@ impl EndpointStore {
         let now = Millis::now().get();
         let until = now.saturating_add(u64::try_from(grace.as_millis()).unwrap_or(u64::MAX));
         let fresh = Secret::generate(now);
-        let mut rotated = None;
-        self.change(owner, |endpoints| {
-            let endpoint = endpoints.iter_mut().find(|e| e.id == id).ok_or(WebhooksError::Unknown(id))?;
+        self.update(owner, id, |endpoint| {
             endpoint.secrets.retain(|s| s.signs_at(now));
             for secret in &mut endpoint.secrets {
                 secret.valid_until = Some(secret.valid_until.map_or(until, |at| at.min(until)));
             }
             endpoint.secrets.insert(0, fresh.clone());
-            rotated = Some(endpoint.clone());
+        })
+        .await
+    }
+
+    /// Notes a delivery that used up its schedule: the endpoint is flagged
+    /// as failing, and disabled once `disable_after` such deliveries came
+    /// in a row. Returns the endpoint as it now stands.
+    pub async fn note_failed_delivery(
+        &self,
+        owner: ClientId,
+        id: Uuid,
+        disable_after: u32,
+    ) -> Result<Endpoint, WebhooksError> {
+        self.update(owner, id, |endpoint| {
+            endpoint.failed_deliveries = endpoint.failed_deliveries.saturating_add(1);
+            if endpoint.disabled.is_none() && endpoint.failed_deliveries >= disable_after {
+                endpoint.disabled = Some(Disabled {
+                    reason: format!("{} deliveries in a row used up their retries", endpoint.failed_deliveries),
+                    at: Millis::now().get(),
+                });
+            }
+        })
+        .await
+    }
+
+    /// Clears the failing flag once a delivery arrives again.
+    pub async fn note_delivered(&self, owner: ClientId, id: Uuid) -> Result<Endpoint, WebhooksError> {
+        self.update(owner, id, |endpoint| endpoint.failed_deliveries = 0).await
+    }
+
+    /// Stops sending to the endpoint, keeping why.
+    pub async fn disable(&self, owner: ClientId, id: Uuid, reason: &str) -> Result<Endpoint, WebhooksError> {
+        let at = Millis::now().get();
+        self.update(owner, id, |endpoint| {
+            endpoint.disabled.get_or_insert_with(|| Disabled { reason: reason.to_owned(), at });
+        })
+        .await
+    }
+
+    /// Sends to a disabled or failing endpoint again.
+    pub async fn enable(&self, owner: ClientId, id: Uuid) -> Result<Endpoint, WebhooksError> {
+        self.update(owner, id, |endpoint| {
+            endpoint.disabled = None;
+            endpoint.failed_deliveries = 0;
+        })
+        .await
+    }
+
+    /// Changes endpoint `id` of the client; returns it as changed.
+    async fn update(
+        &self,
+        owner: ClientId,
+        id: Uuid,
+        mut edit: impl FnMut(&mut Endpoint),
+    ) -> Result<Endpoint, WebhooksError> {
+        let mut changed = None;
+        self.change(owner, |endpoints| {
+            let endpoint = endpoints.iter_mut().find(|e| e.id == id).ok_or(WebhooksError::Unknown(id))?;
+            edit(endpoint);
+            changed = Some(endpoint.clone());
             Ok(())
         })
         .await?;
-        rotated.ok_or(WebhooksError::Unknown(id))
+        changed.ok_or(WebhooksError::Unknown(id))
     }
 
     /// Reads, applies `edit`, and writes back if nobody wrote meanwhile.

@@ -8,7 +8,7 @@
 use std::net::IpAddr;
 
 /// How long a host's name may take to resolve.
-const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+pub(super) const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Names resolved at once at most, so slow resolvers cannot tie up the
 /// threads every other lookup of the process needs.
@@ -81,7 +81,7 @@ impl TargetPolicy {
 /// or documentation addresses, and IPv6 forms that carry such an IPv4
 /// address (mapped, compatible, NAT64, 6to4) or tunnel (Teredo): none is a
 /// receiver on the internet.
-fn is_internal(ip: IpAddr) -> bool {
+pub(super) fn is_internal(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
             let [a, b, c, _] = v4.octets();

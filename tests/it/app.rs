@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use keyfence::clients::ClientStore;
-use keyfence::config::{EngineConfig, RailSettings, ServeSettings, WorkSettings};
+use keyfence::config::{DeliverySettings, EngineConfig, RailSettings, ServeSettings, WorkSettings};
 use keyfence::domain::{ApiKey, ClientId};
 use keyfence::http::RegionSecret;
 use keyfence::keystore::CONTROL_PREFIX;
@@ -171,6 +171,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         public_url: None,
         local_regions: true,
         webhooks_allow_private: true,
+        webhook_delivery: test_delivery(),
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,
@@ -221,6 +222,21 @@ pub async fn start_serving(settings: &ServeSettings) -> Served {
         let _ = stopped.await;
     }));
     Served { url, admin_url, stop }
+}
+
+/// Webhook delivery as tests run it: rounds every 50 ms, and a retry
+/// schedule of milliseconds (the default one has tests of its own).
+pub fn test_delivery() -> DeliverySettings {
+    DeliverySettings {
+        interval_ms: 50,
+        concurrency: 16,
+        timeout: Duration::from_secs(2),
+        retry_first: Duration::from_millis(50),
+        retry_longest: Duration::from_millis(400),
+        attempts: 6,
+        disable_after: 5,
+        retention: Duration::from_secs(7 * 24 * 3600),
+    }
 }
 
 /// The secret the test deployment's regions share.

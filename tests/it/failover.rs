@@ -18,7 +18,8 @@ use sqlx::PgPool;
 use crate::app::{TestApp, payment, spawn_app};
 use crate::reconcile::reconcile;
 
-const TABLES: [&str; 7] = ["clients", "requests", "payments", "postings", "external_calls", "phase_runs", "outbox"];
+const TABLES: [&str; 8] =
+    ["clients", "requests", "payments", "postings", "external_calls", "phase_runs", "outbox", "webhook_deliveries"];
 
 /// A consistent copy of every ledger table into schema `snap`.
 pub async fn snapshot(pool: &PgPool) {

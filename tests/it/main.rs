@@ -41,6 +41,7 @@ mod protocol_model;
 mod proxy;
 mod rail_keys;
 mod rail_outage;
+mod receiver;
 mod reconcile;
 #[cfg(feature = "failpoints")]
 mod reconcile_crashes;
@@ -53,6 +54,7 @@ mod seams;
 mod store_errors;
 mod takeovers;
 mod telemetry;
+mod webhook_delivery;
 mod webhook_endpoints;
 #[cfg(feature = "failpoints")]
 mod zombies;

@@ -27,6 +27,7 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
         .env("KEYFENCE_LISTEN", "127.0.0.1:0")
         .env("KEYFENCE_ADMIN_LISTEN", "127.0.0.1:0")
         .env("KEYFENCE_LOCAL_REGIONS", "1")
+        .env("KEYFENCE_WEBHOOKS_ALLOW_PRIVATE", "1")
         .env("KEYFENCE_REGION", "test-1")
         .env("KEYFENCE_REGION_SECRET", crate::app::REGION_SECRET)
         .env("KEYFENCE_E1_URL", &app.e1.url)

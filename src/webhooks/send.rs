@@ -1,0 +1,159 @@
+//! Sending one delivery. The address is checked again at every connection,
+//! not only when the endpoint was registered: the HTTP client resolves
+//! names through [`Guarded`], which hands it only addresses a webhook may
+//! reach, so a name that resolved to a public address at registration and
+//! to an internal one now (DNS rebinding) is refused, not called. No
+//! redirect is followed (it could lead anywhere), no proxy is used (it
+//! would resolve the name itself), and the receiver's body is not read.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use reqwest::dns::{Addrs, Name, Resolve, Resolving};
+
+use super::target::{RESOLVE_FOR, is_internal};
+
+/// What the receiver made of one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Response {
+    /// 2xx: delivered.
+    Accepted(u16),
+    /// 410: the receiver wants nothing more at this endpoint.
+    Gone,
+    /// Any other status, with the wait it asked for on 429 or 503.
+    Refused { status: u16, retry_after: Option<Duration> },
+    /// No answer: not connected, timed out, or an address a webhook may not reach.
+    Unreachable(String),
+}
+
+/// The header values of one attempt.
+pub struct Signed<'a> {
+    pub webhook_id: &'a str,
+    pub timestamp: i64,
+    pub signature: String,
+}
+
+/// Sends deliveries; one per process, its connections reused.
+#[derive(Clone)]
+pub struct Sender {
+    http: reqwest::Client,
+    allow_private: bool,
+}
+
+impl Sender {
+    pub fn new(allow_private: bool, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .dns_resolver(Arc::new(Guarded { allow_private }))
+            .user_agent(concat!("keyfence-webhooks/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .expect("the webhook client's settings are valid");
+        Self { http, allow_private }
+    }
+
+    /// POSTs `body` to `url`, signed.
+    pub async fn send(&self, url: &str, signed: Signed<'_>, body: Vec<u8>) -> Response {
+        // A literal address is never resolved, so it is checked here.
+        let parsed = match reqwest::Url::parse(url) {
+            Ok(parsed) => parsed,
+            Err(e) => return Response::Unreachable(format!("not a URL: {e}")),
+        };
+        let literal = parsed.host_str().and_then(|host| host.trim_matches(['[', ']']).parse::<IpAddr>().ok());
+        if literal.is_some_and(|ip| !self.allow_private && is_internal(ip)) {
+            return Response::Unreachable("not a public address".into());
+        }
+        let sent = self
+            .http
+            .post(parsed)
+            .header("content-type", "application/json")
+            .header("webhook-id", signed.webhook_id)
+            .header("webhook-timestamp", signed.timestamp.to_string())
+            .header("webhook-signature", signed.signature)
+            .body(body)
+            .send()
+            .await;
+        match sent {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                match status {
+                    200..=299 => Response::Accepted(status),
+                    410 => Response::Gone,
+                    429 | 503 => Response::Refused {
+                        status,
+                        retry_after: keyfence_client::retry_after(response.headers(), SystemTime::now()),
+                    },
+                    _ => Response::Refused { status, retry_after: None },
+                }
+            }
+            Err(e) if e.is_timeout() => Response::Unreachable("timed out".into()),
+            Err(e) => Response::Unreachable(reason(&e)),
+        }
+    }
+}
+
+/// The innermost cause of a failed send, which names what went wrong
+/// (refused connection, certificate, the address check).
+fn reason(error: &reqwest::Error) -> String {
+    let mut cause: &dyn std::error::Error = error;
+    while let Some(inner) = cause.source() {
+        cause = inner;
+    }
+    cause.to_string()
+}
+
+/// Resolves names to the addresses a webhook may reach, and only those.
+struct Guarded {
+    allow_private: bool,
+}
+
+impl Resolve for Guarded {
+    fn resolve(&self, name: Name) -> Resolving {
+        let allow_private = self.allow_private;
+        let host = name.as_str().to_owned();
+        Box::pin(async move {
+            let found = tokio::time::timeout(RESOLVE_FOR, tokio::net::lookup_host((host.as_str(), 0)))
+                .await
+                .map_err(|_| format!("resolving {host} timed out"))??;
+            let allowed: Vec<SocketAddr> = found.filter(|a| allow_private || !is_internal(a.ip())).collect();
+            if allowed.is_empty() {
+                return Err(format!("{host} is not a public address").into());
+            }
+            Ok(Box::new(allowed.into_iter()) as Addrs)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn signed() -> Signed<'static> {
+        Signed { webhook_id: "msg_1", timestamp: 1, signature: String::new() }
+    }
+
+    /// An address inside the network is refused when it is sent to, not
+    /// only when registered: literally, or by a name that resolves there.
+    #[tokio::test]
+    async fn internal_addresses_are_refused_at_send_time() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let strict = Sender::new(false, Duration::from_secs(2));
+        for url in [format!("http://127.0.0.1:{port}/hook"), format!("http://localhost:{port}/hook")] {
+            match strict.send(&url, signed(), b"{}".to_vec()).await {
+                Response::Unreachable(why) => assert!(why.contains("not a public address"), "{url}: {why}"),
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        // Allowed, the same name is called (and nobody answers over HTTP).
+        drop(listener);
+        let dev = Sender::new(true, Duration::from_secs(2));
+        match dev.send(&format!("http://localhost:{port}/hook"), signed(), b"{}".to_vec()).await {
+            Response::Unreachable(why) => assert!(!why.contains("not a public address"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}

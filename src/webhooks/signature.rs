@@ -1,0 +1,60 @@
+//! Standard Webhooks signatures (standardwebhooks.com): the signed content
+//! is `{webhook-id}.{webhook-timestamp}.{body}`, signed with HMAC-SHA256
+//! under the secret's 32 bytes (the base64 after `whsec_`), and the
+//! `webhook-signature` header is `v1,` and the base64 of each signature,
+//! separated by spaces: one per secret that signs, so a receiver holding
+//! either the new or the previous secret during a rotation verifies.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use hmac::{KeyInit, Mac};
+
+use super::Secret;
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// The `webhook-signature` header for `body` sent as `id` at `timestamp`
+/// (seconds since the epoch), signed with each of `secrets`.
+pub fn header(secrets: &[&Secret], id: &str, timestamp: i64, body: &[u8]) -> String {
+    secrets
+        .iter()
+        .filter_map(|secret| sign(&secret.value, id, timestamp, body))
+        .map(|signature| format!("v1,{signature}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// One signature in base64; `None` for a secret that is not `whsec_` and base64.
+fn sign(secret: &str, id: &str, timestamp: i64, body: &[u8]) -> Option<String> {
+    let key = STANDARD.decode(secret.strip_prefix("whsec_")?).ok()?;
+    let mut mac = HmacSha256::new_from_slice(&key).ok()?;
+    mac.update(format!("{id}.{timestamp}.").as_bytes());
+    mac.update(body);
+    Some(STANDARD.encode(mac.finalize().into_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(value: &str) -> Secret {
+        Secret { value: value.to_owned(), created_at: 0, valid_until: None }
+    }
+
+    /// The example the specification's reference libraries test with.
+    #[test]
+    fn signs_as_the_reference_implementation_does() {
+        let secret = secret("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
+        let signed = header(&[&secret], "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, br#"{"test": 2432232314}"#);
+        assert_eq!(signed, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn every_signing_secret_signs() {
+        let (new, old) = (Secret::generate(1), Secret::generate(1));
+        let both = header(&[&new, &old], "msg_1", 1, b"{}");
+        let parts: Vec<&str> = both.split(' ').collect();
+        assert_eq!(parts, [header(&[&new], "msg_1", 1, b"{}"), header(&[&old], "msg_1", 1, b"{}")]);
+        assert_ne!(parts[0], parts[1]);
+    }
+}

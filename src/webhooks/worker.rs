@@ -1,0 +1,308 @@
+//! The delivery worker inside `serve`: drains this region's outbox after
+//! the commit. Each round it fans new events out to the endpoints
+//! subscribed to them, takes the deliveries that are due (as many as it has
+//! free slots), sends each under its lease, and records where it stands:
+//! delivered on a 2xx; on a 410 the endpoint is disabled; otherwise tried
+//! again on the schedule until it is used up, then failed, and the endpoint
+//! flagged (disabled after enough such failures in a row). Every instance
+//! runs one; the leases keep them off each other's deliveries. A crash
+//! loses nothing: an event is fanned out until that commits, and a
+//! delivery is taken again once its lease runs out, with the same id.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::future::join_all;
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+
+use super::deliveries::{Deliveries, Outcome, Queued, Taken};
+use super::send::{Response, Sender, Signed};
+use super::{Endpoint, EndpointStore, signature, webhook_id};
+use crate::config::DeliverySettings;
+use crate::domain::{ClientId, Millis};
+
+/// Events fanned out in one round at most.
+const FAN_OUT_BATCH: i64 = 256;
+
+/// How often finished events past their retention are deleted, and how
+/// many at most each time.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
+const PRUNE_BATCH: i64 = 1000;
+
+pub struct Worker {
+    deliveries: Deliveries,
+    endpoints: EndpointStore,
+    sender: Sender,
+    settings: DeliverySettings,
+}
+
+impl Worker {
+    pub fn new(
+        deliveries: Deliveries,
+        endpoints: EndpointStore,
+        settings: DeliverySettings,
+        allow_private: bool,
+    ) -> Self {
+        Self { deliveries, endpoints, sender: Sender::new(allow_private, settings.timeout), settings }
+    }
+
+    /// How long a taken delivery is this worker's: the receiver's time
+    /// twice over and a margin, so a send always ends inside its lease.
+    fn lease(&self) -> Duration {
+        self.settings.timeout * 2 + Duration::from_secs(5)
+    }
+
+    /// Runs rounds every `interval` (and as soon as a slot frees up while
+    /// more is due) until `stop`, then lets the deliveries in flight end.
+    pub async fn run_until_stopped(self: Arc<Self>, interval: Duration, mut stop: watch::Receiver<()>) {
+        let slots = Arc::new(Semaphore::new(self.settings.concurrency as usize));
+        let mut sending = JoinSet::new();
+        let (mut pruned, mut reported) = (None::<Instant>, None::<Instant>);
+        loop {
+            if let Err(e) = self.fan_out().await {
+                tracing::warn!(error = %e, "could not fan webhook events out; trying again");
+            }
+            let free = slots.available_permits();
+            let mut saturated = false;
+            if free > 0 {
+                let asked = Instant::now();
+                match self.take(free).await {
+                    Ok(batch) => {
+                        saturated = batch.len() == free;
+                        for (taken, endpoint) in batch {
+                            let Ok(slot) = slots.clone().try_acquire_owned() else { break };
+                            let worker = self.clone();
+                            sending.spawn(async move {
+                                worker.deliver(taken, endpoint, asked).await;
+                                drop(slot);
+                            });
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not take webhook deliveries; trying again"),
+                }
+            }
+            if reported.is_none_or(|at| at.elapsed() >= interval) {
+                reported = Some(Instant::now());
+                self.report_backlog().await;
+            }
+            if pruned.is_none_or(|at| at.elapsed() >= PRUNE_EVERY) {
+                pruned = Some(Instant::now());
+                match self.deliveries.prune(self.settings.retention, PRUNE_BATCH).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(events = n, "pruned webhook events past their retention"),
+                    Err(e) => tracing::warn!(error = %e, "could not prune webhook events"),
+                }
+            }
+            tokio::select! {
+                _ = stop.changed() => break,
+                () = tokio::time::sleep(interval) => {}
+                Some(_) = sending.join_next(), if saturated && !sending.is_empty() => {}
+            }
+        }
+        while sending.join_next().await.is_some() {}
+    }
+
+    /// Fans queued events out to the endpoints subscribed to them. A
+    /// client whose endpoints cannot be read keeps its events queued (and
+    /// a payment's later events wait for its earlier ones).
+    async fn fan_out(&self) -> Result<(), crate::ledger::LedgerError> {
+        let queued = self.deliveries.queued(FAN_OUT_BATCH).await?;
+        if queued.is_empty() {
+            return Ok(());
+        }
+        let endpoints = self.endpoints_of(queued.iter().map(|q| ClientId::new(q.client_id))).await;
+        let planned: Vec<(&Queued, Vec<(uuid::Uuid, String)>)> = queued
+            .iter()
+            .filter_map(|event| {
+                let (_, found) = endpoints.iter().find(|(client, _)| client.as_uuid() == event.client_id)?;
+                let targets = found
+                    .as_ref()?
+                    .iter()
+                    .filter(|e| e.disabled.is_none() && e.events.contains(&event.event))
+                    .map(|e| (e.id, webhook_id(event.event_id, e.id)))
+                    .collect();
+                Some((event, targets))
+            })
+            .collect();
+        if planned.is_empty() { Ok(()) } else { self.deliveries.fan_out(&planned).await }
+    }
+
+    /// Takes up to `free` due deliveries, each with its endpoint as it
+    /// stands now (`None`: removed). Deliveries whose client's endpoints
+    /// cannot be read are left to their lease, and tried again after it.
+    async fn take(&self, free: usize) -> Result<Vec<(Taken, Option<Endpoint>)>, crate::ledger::LedgerError> {
+        let taken = self.deliveries.take(free as i64, self.lease()).await?;
+        let endpoints = self.endpoints_of(taken.iter().map(Taken::client)).await;
+        Ok(taken
+            .into_iter()
+            .filter_map(|t| {
+                let (_, found) = endpoints.iter().find(|(client, _)| *client == t.client())?;
+                let endpoint = found.as_ref()?.iter().find(|e| e.id == t.endpoint_id).cloned();
+                Some((t, endpoint))
+            })
+            .collect())
+    }
+
+    /// Each client's endpoints, read once per round (`None`: unreadable).
+    async fn endpoints_of(&self, clients: impl Iterator<Item = ClientId>) -> Vec<(ClientId, Option<Vec<Endpoint>>)> {
+        let mut distinct: Vec<ClientId> = clients.collect();
+        distinct.sort();
+        distinct.dedup();
+        join_all(distinct.into_iter().map(|client| async move {
+            match self.endpoints.list(client).await {
+                Ok(found) => (client, Some(found)),
+                Err(e) => {
+                    tracing::warn!(%client, error = %e, "could not read a client's webhook endpoints");
+                    (client, None)
+                }
+            }
+        }))
+        .await
+    }
+
+    /// One attempt of one delivery taken at `asked` (or before), and what
+    /// follows from its outcome. An attempt that could not end inside the
+    /// lease any more (this worker was held up since) is not made: another
+    /// worker may take the delivery once the lease ends.
+    async fn deliver(&self, taken: Taken, endpoint: Option<Endpoint>, asked: Instant) {
+        if asked.elapsed() + self.settings.timeout + Duration::from_secs(1) >= self.lease() {
+            tracing::warn!(webhook_id = taken.webhook_id, "a webhook delivery waited past its lease; left to the next");
+            return;
+        }
+        let (outcome, follow_up) = match &endpoint {
+            None => (Outcome::Failed { status: None, error: "the endpoint was removed".into() }, FollowUp::None),
+            Some(e) if e.disabled.is_some() => {
+                let why = e.disabled.as_ref().map(|d| d.reason.as_str()).unwrap_or_default();
+                (Outcome::Failed { status: None, error: format!("the endpoint is disabled: {why}") }, FollowUp::None)
+            }
+            Some(e) => self.attempt(&taken, e).await,
+        };
+        let recorded = match self.deliveries.record(&taken, &outcome).await {
+            Ok(recorded) => recorded,
+            Err(e) => {
+                // Its lease runs out and it is taken again: at least once.
+                tracing::warn!(webhook_id = taken.webhook_id, error = %e, "could not record a webhook delivery");
+                return;
+            }
+        };
+        let ended = match (&outcome, recorded) {
+            (_, false) => Some("superseded"),
+            (Outcome::Delivered { .. }, true) => Some("delivered"),
+            (Outcome::Failed { .. }, true) => Some("failed"),
+            (Outcome::Retry { .. }, true) => None,
+        };
+        if let Some(ended) = ended {
+            metrics::counter!("keyfence_webhook_deliveries_total", "outcome" => ended).increment(1);
+        }
+        if !recorded {
+            tracing::info!(webhook_id = taken.webhook_id, "a webhook delivery's lease ran out; its result is not kept");
+            return;
+        }
+        let Some(endpoint) = endpoint else { return };
+        let id = endpoint.id;
+        if let Err(e) = self.follow_up(&taken, endpoint, follow_up).await {
+            tracing::warn!(endpoint = %id, error = %e, "could not update a webhook endpoint after a delivery");
+        }
+    }
+
+    /// Signs and sends one attempt; where it leaves the delivery.
+    async fn attempt(&self, taken: &Taken, endpoint: &Endpoint) -> (Outcome, FollowUp) {
+        let body = serde_json::json!({
+            "type": taken.event,
+            "timestamp": taken.created_at.format(&time::format_description::well_known::Rfc3339).unwrap_or_default(),
+            "data": taken.payload,
+        });
+        let body = serde_json::to_vec(&body).unwrap_or_default();
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        let timestamp = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
+        let secrets = endpoint.signing_secrets(Millis::now().get());
+        let signed = Signed {
+            webhook_id: &taken.webhook_id,
+            timestamp,
+            signature: signature::header(&secrets, &taken.webhook_id, timestamp, &body),
+        };
+        let response = self.sender.send(&endpoint.url, signed, body).await;
+        let result = match &response {
+            Response::Accepted(_) => "delivered",
+            Response::Gone => "gone",
+            Response::Refused { .. } => "refused",
+            Response::Unreachable(_) => "unreachable",
+        };
+        metrics::counter!("keyfence_webhook_attempts_total", "result" => result).increment(1);
+        let made = u32::try_from(taken.attempts).unwrap_or(u32::MAX);
+        let again = |status: Option<u16>, error: String, asked: Option<Duration>| match self
+            .settings
+            .schedule()
+            .wait_after(made, asked)
+        {
+            Some(wait) => (Outcome::Retry { status, error, wait }, FollowUp::None),
+            None => {
+                let error = format!("{error}; no attempts left after {made}");
+                (Outcome::Failed { status, error }, FollowUp::UsedUp)
+            }
+        };
+        match response {
+            Response::Accepted(status) => (Outcome::Delivered { status }, FollowUp::Arrived),
+            Response::Gone => {
+                (Outcome::Failed { status: Some(410), error: "the endpoint answered 410 Gone".into() }, FollowUp::Gone)
+            }
+            Response::Refused { status, retry_after } => again(Some(status), format!("answered {status}"), retry_after),
+            Response::Unreachable(why) => again(None, why, None),
+        }
+    }
+
+    /// What a recorded outcome means for its endpoint.
+    async fn follow_up(&self, taken: &Taken, endpoint: Endpoint, what: FollowUp) -> Result<(), super::WebhooksError> {
+        let owner = taken.client();
+        let disabled = match what {
+            FollowUp::None => return Ok(()),
+            FollowUp::Arrived if endpoint.failed_deliveries == 0 => return Ok(()),
+            FollowUp::Arrived => {
+                self.endpoints.note_delivered(owner, endpoint.id).await?;
+                return Ok(());
+            }
+            FollowUp::Gone => {
+                self.endpoints.disable(owner, endpoint.id, "the endpoint answered 410 Gone").await?;
+                "gone"
+            }
+            FollowUp::UsedUp => {
+                let now = self.endpoints.note_failed_delivery(owner, endpoint.id, self.settings.disable_after).await?;
+                if now.disabled.is_none() || endpoint.disabled.is_some() {
+                    return Ok(());
+                }
+                "failing"
+            }
+        };
+        metrics::counter!("keyfence_webhook_endpoints_disabled_total", "reason" => disabled).increment(1);
+        tracing::warn!(endpoint = %endpoint.id, client = %owner, reason = disabled, "webhook endpoint disabled");
+        let why = format!("the endpoint was disabled ({disabled})");
+        self.deliveries
+            .end_pending_of(endpoint.id, &why)
+            .await
+            .map_err(|e| super::WebhooksError::Store(e.to_string()))?;
+        Ok(())
+    }
+
+    async fn report_backlog(&self) {
+        match self.deliveries.backlog().await {
+            Ok(backlog) => {
+                metrics::gauge!("keyfence_webhook_undelivered").set(backlog.undelivered as f64);
+                metrics::gauge!("keyfence_webhook_oldest_undelivered_seconds").set(backlog.oldest_seconds);
+            }
+            // The gauges keep their last values rather than claim nothing waits.
+            Err(e) => tracing::warn!(error = %e, "could not read the webhook backlog"),
+        }
+    }
+}
+
+/// What a delivery's outcome asks of its endpoint.
+enum FollowUp {
+    None,
+    /// Delivered: a failing endpoint is failing no more.
+    Arrived,
+    /// 410: disable it.
+    Gone,
+    /// The schedule is used up: flag it (and disable it after enough).
+    UsedUp,
+}
