@@ -6,7 +6,8 @@
 
 -- The event's own id (stable: derived from the payment and the event type,
 -- so the same event written by two ledgers after a takeover is one event),
--- and whose it is.
+-- and whose it is. Rows written before this migration get an id of their
+-- own.
 ALTER TABLE outbox ADD COLUMN event_id uuid;
 ALTER TABLE outbox ADD COLUMN client_id uuid;
 UPDATE outbox o SET client_id = p.client_id FROM payments p WHERE p.id = o.payment_id;
@@ -15,11 +16,22 @@ ALTER TABLE outbox ALTER COLUMN event_id SET NOT NULL;
 ALTER TABLE outbox ALTER COLUMN client_id SET NOT NULL;
 ALTER TABLE outbox ADD UNIQUE (event_id);
 
--- When the event was fanned out to the endpoints subscribed at that time.
--- Events queued before webhooks were delivered count as fanned out (to no
--- endpoint): nobody could have subscribed to them.
+-- Instances of the previous version, still serving while a deployment
+-- rolls out, queue events without these columns: they are filled in here
+-- rather than failing those instances' phases.
+CREATE FUNCTION outbox_fill_in() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.client_id := coalesce(NEW.client_id, (SELECT client_id FROM payments WHERE id = NEW.payment_id));
+    NEW.event_id := coalesce(NEW.event_id, gen_random_uuid());
+    RETURN NEW;
+END $$;
+
+CREATE TRIGGER outbox_filled_in BEFORE INSERT ON outbox
+    FOR EACH ROW WHEN (NEW.event_id IS NULL OR NEW.client_id IS NULL) EXECUTE FUNCTION outbox_fill_in();
+
+-- When the event was fanned out to its endpoints (those registered before
+-- it was written). Events already queued are fanned out like new ones.
 ALTER TABLE outbox ADD COLUMN fanned_out_at timestamptz;
-UPDATE outbox SET fanned_out_at = now();
 DROP INDEX outbox_undelivered;
 ALTER TABLE outbox DROP COLUMN delivered_at;
 CREATE INDEX outbox_to_fan_out ON outbox (id) WHERE fanned_out_at IS NULL;

@@ -20,7 +20,7 @@ use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
 use crate::regions::{RegionStore, RegionView};
 use crate::webhooks::deliveries::Deliveries;
-use crate::webhooks::worker::Worker;
+use crate::webhooks::worker::{Stores, Worker};
 use crate::webhooks::{self, EndpointStore, TargetPolicy};
 use crate::{expiry, recovery};
 
@@ -192,8 +192,13 @@ impl Application {
         let endpoints = EndpointStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
         let delivery = settings.webhook_delivery;
         let webhooks = Some(Duration::from_millis(delivery.interval_ms)).filter(|d| !d.is_zero()).map(|every| {
-            let deliveries = Deliveries::new(engine.ledger().pool().clone());
-            (every, Arc::new(Worker::new(deliveries, endpoints.clone(), delivery, settings.webhooks_allow_private)))
+            let stores = Stores {
+                deliveries: Deliveries::new(engine.ledger().pool().clone()),
+                endpoints: endpoints.clone(),
+                keys: engine.keys().clone(),
+                region: settings.engine.work.region.clone(),
+            };
+            (every, Arc::new(Worker::new(stores, delivery, settings.webhooks_allow_private)))
         });
         let state = AppState {
             engine: engine.clone(),

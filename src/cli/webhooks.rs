@@ -95,7 +95,8 @@ pub enum WebhooksCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Send deliveries again, from a fresh schedule and with the same `webhook-id`.
+    /// Send deliveries that ended (delivered or failed) again, from a fresh schedule and with the
+    /// same `webhook-id`.
     #[command(group(clap::ArgGroup::new("which").required(true).args(["event", "since"])))]
     Redeliver {
         /// Every delivery of this event, whatever became of it.
@@ -179,7 +180,10 @@ impl WebhooksCommand {
                     (None, None) => anyhow::bail!("name an --event or give --since"),
                 };
                 let sent = deliveries(&ledger).await?.redeliver(which).await?;
-                println!("{sent} delivery(ies) will be sent again, each with the webhook-id it had");
+                println!(
+                    "{sent} delivery(ies) will be sent again, each with the webhook-id it had (any still pending stay \
+                     on their schedule)"
+                );
             }
         }
         Ok(())

@@ -75,7 +75,7 @@ pub trait Operation: Send + Sync {
 
     /// The business writes when the outcome of external step `step` has
     /// stayed unknown so long it is listed for settlement, inside the phase
-    /// that marks it (which may run more than once while it stays so).
+    /// that first marks it so.
     fn indeterminate(
         &self,
         step: &ExternalStep,

@@ -51,10 +51,14 @@ pub fn webhook_id(event: Uuid, endpoint: Uuid) -> String {
     format!("msg_{}", Uuid::new_v5(&NAMESPACE, format!("delivery:{event}:{endpoint}").as_bytes()).simple())
 }
 
-/// An account number as events carry it: its last four characters.
+/// An account number as events carry it: its last four characters, and
+/// none of one too short to keep anything back.
 pub fn masked(account: &str) -> String {
-    let tail: String = account.chars().rev().take(4).collect::<Vec<_>>().into_iter().rev().collect();
-    format!("****{tail}")
+    let chars: Vec<char> = account.chars().collect();
+    match chars.len() {
+        0..=8 => "****".to_owned(),
+        n => format!("****{}", chars[n - 4..].iter().collect::<String>()),
+    }
 }
 
 /// Endpoints one client may have at most.
@@ -206,7 +210,8 @@ mod tests {
     #[test]
     fn accounts_are_masked_to_their_last_four_characters() {
         assert_eq!(masked("DE89370400440532013000"), "****3000");
-        assert_eq!(masked("ab"), "****ab");
+        assert_eq!(masked("ab"), "****");
+        assert_eq!(masked("12345678"), "****");
     }
 
     #[test]

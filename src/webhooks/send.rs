@@ -6,13 +6,13 @@
 //! redirect is followed (it could lead anywhere), no proxy is used (it
 //! would resolve the name itself), and the receiver's body is not read.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 
-use super::target::{RESOLVE_FOR, is_internal};
+use super::target::{Turn, is_internal, literal, resolve};
 
 /// What the receiver made of one attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,8 +62,7 @@ impl Sender {
             Ok(parsed) => parsed,
             Err(e) => return Response::Unreachable(format!("not a URL: {e}")),
         };
-        let literal = parsed.host_str().and_then(|host| host.trim_matches(['[', ']']).parse::<IpAddr>().ok());
-        if literal.is_some_and(|ip| !self.allow_private && is_internal(ip)) {
+        if literal(&parsed).is_some_and(|ip| !self.allow_private && is_internal(ip)) {
             return Response::Unreachable("not a public address".into());
         }
         let sent = self
@@ -115,10 +114,15 @@ impl Resolve for Guarded {
         let allow_private = self.allow_private;
         let host = name.as_str().to_owned();
         Box::pin(async move {
-            let found = tokio::time::timeout(RESOLVE_FOR, tokio::net::lookup_host((host.as_str(), 0)))
-                .await
-                .map_err(|_| format!("resolving {host} timed out"))??;
-            let allowed: Vec<SocketAddr> = found.filter(|a| allow_private || !is_internal(a.ip())).collect();
+            let found = resolve(&host, Turn::Wait).await.map_err(|e| e.to_string())?;
+            if found.is_empty() {
+                return Err(format!("{host} did not resolve").into());
+            }
+            let allowed: Vec<SocketAddr> = found
+                .into_iter()
+                .filter(|ip| allow_private || !is_internal(*ip))
+                .map(|ip| SocketAddr::new(ip, 0))
+                .collect();
             if allowed.is_empty() {
                 return Err(format!("{host} is not a public address").into());
             }

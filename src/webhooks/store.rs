@@ -110,23 +110,26 @@ impl EndpointStore {
 
     /// Notes a delivery that used up its schedule: the endpoint is flagged
     /// as failing, and disabled once `disable_after` such deliveries came
-    /// in a row. Returns the endpoint as it now stands.
+    /// in a row. Returns whether this disabled it.
     pub async fn note_failed_delivery(
         &self,
         owner: ClientId,
         id: Uuid,
         disable_after: u32,
-    ) -> Result<Endpoint, WebhooksError> {
+    ) -> Result<bool, WebhooksError> {
+        let mut disabled_now = false;
         self.update(owner, id, |endpoint| {
             endpoint.failed_deliveries = endpoint.failed_deliveries.saturating_add(1);
-            if endpoint.disabled.is_none() && endpoint.failed_deliveries >= disable_after {
+            disabled_now = endpoint.disabled.is_none() && endpoint.failed_deliveries >= disable_after;
+            if disabled_now {
                 endpoint.disabled = Some(Disabled {
                     reason: format!("{} deliveries in a row used up their retries", endpoint.failed_deliveries),
                     at: Millis::now().get(),
                 });
             }
         })
-        .await
+        .await?;
+        Ok(disabled_now)
     }
 
     /// Clears the failing flag once a delivery arrives again.

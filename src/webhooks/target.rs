@@ -6,15 +6,56 @@
 //! plain http to this machine.
 
 use std::net::IpAddr;
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
 
 /// How long a host's name may take to resolve.
-pub(super) const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Names resolved at once at most, so slow resolvers cannot tie up the
-/// threads every other lookup of the process needs.
+/// threads every other lookup of the process needs: a turn is held until
+/// the system resolver returns, even when its caller gave up waiting.
 const RESOLVING_AT_ONCE: usize = 16;
 
-static RESOLVING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(RESOLVING_AT_ONCE);
+static RESOLVING: std::sync::LazyLock<Arc<Semaphore>> =
+    std::sync::LazyLock::new(|| Arc::new(Semaphore::new(RESOLVING_AT_ONCE)));
+
+/// Whether a name may wait for a turn to be resolved, or is refused when
+/// every turn is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Turn {
+    Wait,
+    Refuse,
+}
+
+/// The addresses `host` resolves to, within [`RESOLVE_FOR`] (turns
+/// included); `Err(Refused::Busy)` when refused a turn, `Ok(empty)` when it
+/// does not resolve in time.
+pub(super) async fn resolve(host: &str, turn: Turn) -> Result<Vec<IpAddr>, Refused> {
+    let host = host.to_owned();
+    let found = tokio::time::timeout(RESOLVE_FOR, async move {
+        let permit = match turn {
+            Turn::Refuse => RESOLVING.clone().try_acquire_owned().map_err(|_| Refused::Busy)?,
+            Turn::Wait => RESOLVING.clone().acquire_owned().await.map_err(|_| Refused::Busy)?,
+        };
+        let lookup = tokio::task::spawn_blocking(move || {
+            let _turn = permit;
+            std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), 0)).map(|found| found.map(|a| a.ip()).collect())
+        });
+        Ok::<_, Refused>(lookup.await.ok().and_then(Result::ok).unwrap_or_default())
+    })
+    .await;
+    match found {
+        Ok(resolved) => resolved,
+        Err(_) => Ok(Vec::new()),
+    }
+}
+
+/// The address a URL names literally, if it does (then nothing resolves it).
+pub(super) fn literal(url: &reqwest::Url) -> Option<IpAddr> {
+    url.host_str().and_then(|host| host.trim_start_matches('[').trim_end_matches(']').parse().ok())
+}
 
 /// Why a URL is not taken.
 #[derive(Debug, thiserror::Error)]
@@ -45,7 +86,7 @@ impl TargetPolicy {
             return Err(invalid("a webhook URL holds no credentials"));
         }
         let host = parsed.host_str().ok_or_else(|| invalid("a webhook URL names a host"))?.to_owned();
-        let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().ok();
+        let literal = literal(&parsed);
         if self.allow_private {
             // Anything goes but plain http off this machine: nothing to resolve.
             let here = literal.is_some_and(|ip| ip.is_loopback()) || host.eq_ignore_ascii_case("localhost");
@@ -61,14 +102,7 @@ impl TargetPolicy {
         let not_public = || Refused::Invalid(format!("{host} is not a public address"));
         let addresses: Vec<IpAddr> = match literal {
             Some(ip) => vec![ip],
-            None => {
-                let _turn = RESOLVING.try_acquire().map_err(|_| Refused::Busy)?;
-                let port = parsed.port_or_known_default().unwrap_or(443);
-                match tokio::time::timeout(RESOLVE_FOR, tokio::net::lookup_host((host.as_str(), port))).await {
-                    Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
-                    _ => return Err(not_public()),
-                }
-            }
+            None => resolve(&host, Turn::Refuse).await?,
         };
         if addresses.is_empty() || addresses.iter().any(|ip| is_internal(*ip)) {
             return Err(not_public());

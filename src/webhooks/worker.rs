@@ -9,18 +9,22 @@
 //! loses nothing: an event is fanned out until that commits, and a
 //! delivery is taken again once its lease runs out, with the same id.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::future::join_all;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
+use uuid::Uuid;
 
-use super::deliveries::{Deliveries, Outcome, Queued, Taken};
+use super::deliveries::{Deliveries, Outcome, Queued, Taken, Target};
 use super::send::{Response, Sender, Signed};
 use super::{Endpoint, EndpointStore, signature, webhook_id};
 use crate::config::DeliverySettings;
-use crate::domain::{ClientId, Millis};
+use crate::domain::{ClientId, IdempotencyKey, Millis, ScopedKey};
+use crate::keystore::{DynamoKeyStore, KeyStore};
+use crate::ledger::{LedgerError, millis};
 
 /// Events fanned out in one round at most.
 const FAN_OUT_BATCH: i64 = 256;
@@ -30,27 +34,61 @@ const FAN_OUT_BATCH: i64 = 256;
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
 const PRUNE_BATCH: i64 = 1000;
 
+/// How long a client whose endpoints could not be read is left out of the
+/// fan-out, so its events do not hold up everyone else's.
+const UNREADABLE_FOR: Duration = Duration::from_secs(30);
+
+/// When a delivery not sent (its endpoints unreadable) is taken again.
+const NOT_SENT_WAIT: Duration = Duration::from_secs(5);
+
 pub struct Worker {
     deliveries: Deliveries,
     endpoints: EndpointStore,
+    /// The key store, to tell whether a payment moved to another region.
+    keys: DynamoKeyStore,
+    region: String,
     sender: Sender,
     settings: DeliverySettings,
+    /// Deliveries in flight in this worker, by client.
+    in_flight: Mutex<HashMap<Uuid, usize>>,
+    /// Clients whose endpoints could not be read, and since when.
+    unreadable: Mutex<HashMap<Uuid, Instant>>,
+}
+
+/// What a worker needs besides its settings.
+pub struct Stores {
+    pub deliveries: Deliveries,
+    pub endpoints: EndpointStore,
+    pub keys: DynamoKeyStore,
+    /// This instance's region.
+    pub region: String,
 }
 
 impl Worker {
-    pub fn new(
-        deliveries: Deliveries,
-        endpoints: EndpointStore,
-        settings: DeliverySettings,
-        allow_private: bool,
-    ) -> Self {
-        Self { deliveries, endpoints, sender: Sender::new(allow_private, settings.timeout), settings }
+    pub fn new(stores: Stores, settings: DeliverySettings, allow_private: bool) -> Self {
+        Self {
+            deliveries: stores.deliveries,
+            endpoints: stores.endpoints,
+            keys: stores.keys,
+            region: stores.region,
+            sender: Sender::new(allow_private, settings.timeout),
+            settings,
+            in_flight: Mutex::default(),
+            unreadable: Mutex::default(),
+        }
     }
 
     /// How long a taken delivery is this worker's: the receiver's time
     /// twice over and a margin, so a send always ends inside its lease.
     fn lease(&self) -> Duration {
         self.settings.timeout * 2 + Duration::from_secs(5)
+    }
+
+    /// The deliveries of one client this worker sends at once at most: a
+    /// quarter of its slots, so one client's slow receivers leave the rest
+    /// to everyone else.
+    fn per_client(&self) -> usize {
+        (self.settings.concurrency as usize / 4).max(1)
     }
 
     /// Runs rounds every `interval` (and as soon as a slot frees up while
@@ -60,6 +98,7 @@ impl Worker {
         let mut sending = JoinSet::new();
         let (mut pruned, mut reported) = (None::<Instant>, None::<Instant>);
         loop {
+            while sending.try_join_next().is_some() {}
             if let Err(e) = self.fan_out().await {
                 tracing::warn!(error = %e, "could not fan webhook events out; trying again");
             }
@@ -71,10 +110,13 @@ impl Worker {
                     Ok(batch) => {
                         saturated = batch.len() == free;
                         for (taken, endpoint) in batch {
-                            let Ok(slot) = slots.clone().try_acquire_owned() else { break };
+                            let slot = slots.clone().acquire_owned().await.expect("the slots are never closed");
                             let worker = self.clone();
+                            worker.count(taken.client_id, 1);
                             sending.spawn(async move {
+                                let client = taken.client_id;
                                 worker.deliver(taken, endpoint, asked).await;
+                                worker.count(client, -1);
                                 drop(slot);
                             });
                         }
@@ -97,30 +139,50 @@ impl Worker {
             tokio::select! {
                 _ = stop.changed() => break,
                 () = tokio::time::sleep(interval) => {}
-                Some(_) = sending.join_next(), if saturated && !sending.is_empty() => {}
+                Some(_) = sending.join_next(), if saturated => {}
             }
         }
         while sending.join_next().await.is_some() {}
     }
 
-    /// Fans queued events out to the endpoints subscribed to them. A
-    /// client whose endpoints cannot be read keeps its events queued (and
-    /// a payment's later events wait for its earlier ones).
-    async fn fan_out(&self) -> Result<(), crate::ledger::LedgerError> {
-        let queued = self.deliveries.queued(FAN_OUT_BATCH).await?;
+    fn count(&self, client: Uuid, by: isize) {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        let n = in_flight.entry(client).or_default();
+        *n = n.saturating_add_signed(by);
+        if *n == 0 {
+            in_flight.remove(&client);
+        }
+    }
+
+    /// Fans queued events out to the endpoints subscribed to them when
+    /// they were written. A client whose endpoints cannot be read keeps its
+    /// events queued (a payment's later events wait for its earlier ones),
+    /// and is left out for a while so the others' events go on.
+    async fn fan_out(&self) -> Result<(), LedgerError> {
+        let skipping: Vec<Uuid> = {
+            let mut unreadable = self.unreadable.lock().unwrap_or_else(|p| p.into_inner());
+            unreadable.retain(|_, since| since.elapsed() < UNREADABLE_FOR);
+            unreadable.keys().copied().collect()
+        };
+        let queued = self.deliveries.queued(FAN_OUT_BATCH, &skipping).await?;
         if queued.is_empty() {
             return Ok(());
         }
         let endpoints = self.endpoints_of(queued.iter().map(|q| ClientId::new(q.client_id))).await;
-        let planned: Vec<(&Queued, Vec<(uuid::Uuid, String)>)> = queued
+        let planned: Vec<(&Queued, Vec<Target>)> = queued
             .iter()
             .filter_map(|event| {
                 let (_, found) = endpoints.iter().find(|(client, _)| client.as_uuid() == event.client_id)?;
+                let written = millis(event.created_at).get();
                 let targets = found
                     .as_ref()?
                     .iter()
-                    .filter(|e| e.disabled.is_none() && e.events.contains(&event.event))
-                    .map(|e| (e.id, webhook_id(event.event_id, e.id)))
+                    .filter(|e| e.created_at <= written && e.events.contains(&event.event))
+                    .map(|e| Target {
+                        endpoint: e.id,
+                        webhook_id: webhook_id(event.event_id, e.id),
+                        failed: e.disabled.as_ref().map(|d| format!("the endpoint is disabled: {}", d.reason)),
+                    })
                     .collect();
                 Some((event, targets))
             })
@@ -129,22 +191,28 @@ impl Worker {
     }
 
     /// Takes up to `free` due deliveries, each with its endpoint as it
-    /// stands now (`None`: removed). Deliveries whose client's endpoints
-    /// cannot be read are left to their lease, and tried again after it.
-    async fn take(&self, free: usize) -> Result<Vec<(Taken, Option<Endpoint>)>, crate::ledger::LedgerError> {
-        let taken = self.deliveries.take(free as i64, self.lease()).await?;
+    /// stands now (`None` inside: removed; `None` outside: its client's
+    /// endpoints could not be read).
+    async fn take(&self, free: usize) -> Result<Vec<(Taken, Option<Option<Endpoint>>)>, LedgerError> {
+        let per_client = self.per_client();
+        let busy: Vec<Uuid> = {
+            let in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            in_flight.iter().filter(|(_, n)| **n >= per_client).map(|(client, _)| *client).collect()
+        };
+        let taken = self.deliveries.take(free as i64, self.lease(), &busy, per_client as i64).await?;
         let endpoints = self.endpoints_of(taken.iter().map(Taken::client)).await;
         Ok(taken
             .into_iter()
-            .filter_map(|t| {
-                let (_, found) = endpoints.iter().find(|(client, _)| *client == t.client())?;
-                let endpoint = found.as_ref()?.iter().find(|e| e.id == t.endpoint_id).cloned();
-                Some((t, endpoint))
+            .map(|t| {
+                let found = endpoints.iter().find(|(client, _)| *client == t.client()).and_then(|(_, f)| f.as_ref());
+                let endpoint = found.map(|all| all.iter().find(|e| e.id == t.endpoint_id).cloned());
+                (t, endpoint)
             })
             .collect())
     }
 
-    /// Each client's endpoints, read once per round (`None`: unreadable).
+    /// Each client's endpoints, read once per round (`None`: unreadable,
+    /// and noted as such).
     async fn endpoints_of(&self, clients: impl Iterator<Item = ClientId>) -> Vec<(ClientId, Option<Vec<Endpoint>>)> {
         let mut distinct: Vec<ClientId> = clients.collect();
         distinct.sort();
@@ -154,6 +222,7 @@ impl Worker {
                 Ok(found) => (client, Some(found)),
                 Err(e) => {
                     tracing::warn!(%client, error = %e, "could not read a client's webhook endpoints");
+                    self.unreadable.lock().unwrap_or_else(|p| p.into_inner()).insert(client.as_uuid(), Instant::now());
                     (client, None)
                 }
             }
@@ -161,22 +230,52 @@ impl Worker {
         .await
     }
 
+    /// Whether the payment of `taken` was taken over by another region
+    /// since its event was written here: then that region's ledger holds
+    /// the payment's events, and this one's are stale.
+    async fn moved_away(&self, taken: &Taken) -> Option<String> {
+        if !taken.before_fence_change {
+            return None;
+        }
+        let key = ScopedKey::new(taken.client(), IdempotencyKey::parse(&taken.idem_key).ok()?);
+        match self.keys.get(&key).await {
+            Ok(Some(item)) if item.payment_id == taken.payment_id && item.home_region != self.region => {
+                Some(item.home_region)
+            }
+            _ => None,
+        }
+    }
+
     /// One attempt of one delivery taken at `asked` (or before), and what
     /// follows from its outcome. An attempt that could not end inside the
     /// lease any more (this worker was held up since) is not made: another
     /// worker may take the delivery once the lease ends.
-    async fn deliver(&self, taken: Taken, endpoint: Option<Endpoint>, asked: Instant) {
+    async fn deliver(&self, taken: Taken, endpoint: Option<Option<Endpoint>>, asked: Instant) {
         if asked.elapsed() + self.settings.timeout + Duration::from_secs(1) >= self.lease() {
             tracing::warn!(webhook_id = taken.webhook_id, "a webhook delivery waited past its lease; left to the next");
             return;
         }
         let (outcome, follow_up) = match &endpoint {
-            None => (Outcome::Failed { status: None, error: "the endpoint was removed".into() }, FollowUp::None),
-            Some(e) if e.disabled.is_some() => {
+            None => {
+                let error = "the endpoint could not be read".to_owned();
+                (Outcome::NotSent { error, wait: NOT_SENT_WAIT }, FollowUp::None)
+            }
+            Some(None) => (Outcome::Failed { status: None, error: "the endpoint was removed".into() }, FollowUp::None),
+            Some(Some(e)) if e.disabled.is_some() => {
                 let why = e.disabled.as_ref().map(|d| d.reason.as_str()).unwrap_or_default();
                 (Outcome::Failed { status: None, error: format!("the endpoint is disabled: {why}") }, FollowUp::None)
             }
-            Some(e) => self.attempt(&taken, e).await,
+            Some(Some(_)) if taken.payment_status == "voided" => {
+                let error = "the payment was completed by another region, which sends its events".to_owned();
+                (Outcome::Failed { status: None, error }, FollowUp::None)
+            }
+            Some(Some(e)) => match self.moved_away(&taken).await {
+                Some(region) => {
+                    let error = format!("the payment was taken over by region {region}, which sends its events");
+                    (Outcome::Failed { status: None, error }, FollowUp::None)
+                }
+                None => self.attempt(&taken, e).await,
+            },
         };
         let recorded = match self.deliveries.record(&taken, &outcome).await {
             Ok(recorded) => recorded,
@@ -190,7 +289,7 @@ impl Worker {
             (_, false) => Some("superseded"),
             (Outcome::Delivered { .. }, true) => Some("delivered"),
             (Outcome::Failed { .. }, true) => Some("failed"),
-            (Outcome::Retry { .. }, true) => None,
+            (Outcome::Retry { .. } | Outcome::NotSent { .. }, true) => None,
         };
         if let Some(ended) = ended {
             metrics::counter!("keyfence_webhook_deliveries_total", "outcome" => ended).increment(1);
@@ -199,7 +298,7 @@ impl Worker {
             tracing::info!(webhook_id = taken.webhook_id, "a webhook delivery's lease ran out; its result is not kept");
             return;
         }
-        let Some(endpoint) = endpoint else { return };
+        let Some(Some(endpoint)) = endpoint else { return };
         let id = endpoint.id;
         if let Err(e) = self.follow_up(&taken, endpoint, follow_up).await {
             tracing::warn!(endpoint = %id, error = %e, "could not update a webhook endpoint after a delivery");
@@ -267,8 +366,7 @@ impl Worker {
                 "gone"
             }
             FollowUp::UsedUp => {
-                let now = self.endpoints.note_failed_delivery(owner, endpoint.id, self.settings.disable_after).await?;
-                if now.disabled.is_none() || endpoint.disabled.is_some() {
+                if !self.endpoints.note_failed_delivery(owner, endpoint.id, self.settings.disable_after).await? {
                     return Ok(());
                 }
                 "failing"

@@ -33,19 +33,29 @@ pub async fn snapshot(pool: &PgPool) {
     tx.commit().await.unwrap();
 }
 
-/// Puts the snapshot back in place of the ledger's current contents.
+/// Puts the snapshot back in place of the ledger's current contents. A
+/// service still running on the ledger (its webhook worker) may deadlock
+/// with the truncation; PostgreSQL then ends one of the two, and if it is
+/// this one, it is tried again.
 pub async fn restore(pool: &PgPool) {
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("TRUNCATE {} CASCADE", TABLES.join(", "))))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    for _ in 0..5 {
+        match try_restore(pool).await {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("40P01") => continue,
+            done => return done.unwrap(),
+        }
+    }
+    panic!("the ledger could not be restored: deadlocked five times");
+}
+
+async fn try_restore(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("TRUNCATE {} CASCADE", TABLES.join(", ")))).execute(&mut *tx).await?;
     for table in TABLES {
         let back = format!("INSERT INTO public.{table} OVERRIDING SYSTEM VALUE SELECT * FROM snap.{table}");
-        sqlx::query(sqlx::AssertSqlSafe(back)).execute(&mut *tx).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(back)).execute(&mut *tx).await?;
     }
-    tx.commit().await.unwrap();
+    tx.commit().await
 }
 
 /// Pays under `key`, retrying as a client would, until a 201; its bytes.

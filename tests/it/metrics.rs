@@ -11,8 +11,10 @@ use futures::future::join_all;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::app::{TestApp, payment, spawn_app};
+use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
 use crate::process::{LEASE_MS, ServeProcess, keyfence_command};
+use crate::receiver::Receiver;
+use crate::webhook_delivery::subscribe;
 
 /// The value of the sample `name{labels...}` (0 if absent).
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -126,7 +128,10 @@ fn names_exported(scrape: &str) -> std::collections::BTreeSet<String> {
 /// store, a throttled client and a region declared failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_dashboard_and_the_alerts_read_is_exported() {
-    let app = spawn_app().await;
+    // Webhooks are delivered by the process, whose metrics are read.
+    let app = spawn_app_with(|s| s.webhook_delivery.interval_ms = 0).await;
+    let receiver = Receiver::start().await;
+    subscribe(&app, &receiver, "live", json!({})).await;
     let mut command = keyfence_command(&app, "serve");
     command.env("KEYFENCE_RECOVERY_INTERVAL_MS", "200").env("KEYFENCE_MAX_UNKNOWN_ATTEMPTS", "1");
     let served = ServeProcess::spawn(command).await;
@@ -179,6 +184,10 @@ async fn every_metric_the_dashboard_and_the_alerts_read_is_exported() {
     )
     .await
     .unwrap();
+    crate::harness::eventually("a webhook delivered", async || {
+        receiver.arrivals("live").await.iter().any(crate::receiver::Arrival::accepted)
+    })
+    .await;
     // Sweeps mark the silent payment indeterminate and read the registry.
     crate::harness::eventually("a sweep marks the silent payment indeterminate", async || {
         sample(&scrape(&app, &admin).await, "keyfence_indeterminate_total", &[]) >= 1.0

@@ -26,7 +26,7 @@ const EVENTS: [&str; 3] = ["payment.succeeded", "payment.rejected", "payment.ind
 
 /// Registers endpoint `name` of the receiver for every event, answering as
 /// `behaviour` says; returns its id.
-async fn subscribe(app: &TestApp, receiver: &Receiver, name: &str, mut behaviour: Value) -> Uuid {
+pub async fn subscribe(app: &TestApp, receiver: &Receiver, name: &str, mut behaviour: Value) -> Uuid {
     let made = app
         .http
         .post(format!("{}/v1/webhook-endpoints", app.url))
@@ -382,4 +382,83 @@ async fn finished_events_are_pruned_after_the_retention_and_pending_ones_kept() 
     assert_eq!(app.count("outbox").await, 1, "the pending one is kept");
     assert_eq!(app.count("webhook_deliveries").await, 1);
     assert_eq!(deliveries.prune(Duration::from_secs(9 * 24 * 3600), 1000).await.unwrap(), 0, "within retention");
+}
+
+/// An endpoint hears what is written after it was registered; what comes
+/// while it is disabled is kept as failed deliveries to it, which
+/// `redeliver --since` sends once it is enabled again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_hears_what_came_after_it_and_once_enabled_what_came_while_disabled() {
+    let receiver = Receiver::start().await;
+    // Nothing is fanned out until a delivering instance starts, after both.
+    let app = spawn_app_with(|s| s.webhook_delivery.interval_ms = 0).await;
+    assert_eq!(app.pay("before", &payment("E2E-BEFORE")).await.status(), StatusCode::CREATED);
+    let endpoint = subscribe(&app, &receiver, "late", json!({})).await;
+    assert_eq!(app.pay("after", &payment("E2E-AFTER")).await.status(), StatusCode::CREATED);
+    let mut delivering = app.settings.clone();
+    delivering.webhook_delivery.interval_ms = 50;
+    let (_courier, _stop) = start_instance(&delivering).await;
+    eventually("the later one delivered", async || delivered_ids(&receiver, "late").await == 1).await;
+    let delivered: Vec<Value> = receiver.arrivals("late").await.into_iter().filter_map(|a| a.data).collect();
+    assert_eq!(delivered[0]["end_to_end_id"], "E2E-AFTER", "not the one written before the endpoint");
+
+    let store = keyfence::webhooks::EndpointStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    let client = app.client_id().await;
+    store.disable(client, endpoint, "an operator's test").await.unwrap();
+    assert_eq!(app.pay("while-disabled", &payment("E2E-WHILE")).await.status(), StatusCode::CREATED);
+    eventually("kept as a failed delivery", async || states(&app).await.get("failed") == Some(&1)).await;
+    store.enable(client, endpoint).await.unwrap();
+    let again = keyfence_command(&app, "webhooks").args(["redeliver", "--since", "1h"]).output().await.unwrap();
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    eventually("what it missed arrives", async || delivered_ids(&receiver, "late").await == 2).await;
+    assert_eq!(app.count("webhook_deliveries").await, 2, "none for the event written before it");
+}
+
+/// A region declared failed sends nothing; once restored, it sends what it
+/// holds, but not the events of a payment another region took over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_region_sends_nothing_and_once_restored_not_what_moved_away() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app_with(|s| s.webhook_delivery.attempts = 100).await;
+    subscribe(&app, &receiver, "region", json!({ "fail": "all", "status": 500 })).await;
+    for key in ["moved", "stayed"] {
+        assert_eq!(app.pay(key, &payment(&format!("E2E-{key}"))).await.status(), StatusCode::CREATED);
+    }
+    eventually("both tried", async || by_id(&receiver.arrivals("region").await).len() == 2).await;
+
+    app.db.ledger.set_region_fence(true, "test-1", 1, "drill").await.unwrap();
+    receiver.behave("region", json!({ "secret": receiver_secret(&app).await })).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(delivered_ids(&receiver, "region").await, 0, "nothing sent while declared failed");
+
+    // Meanwhile another region took one of the payments over.
+    let moved = keyfence::domain::ScopedKey::new(
+        app.client_id().await,
+        keyfence::domain::IdempotencyKey::parse("moved").unwrap(),
+    );
+    app.keys
+        .store
+        .client()
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(moved.partition_key()))
+        .update_expression("SET home_region = :there")
+        .expression_attribute_values(":there", aws_sdk_dynamodb::types::AttributeValue::S("test-2".into()))
+        .send()
+        .await
+        .unwrap();
+    app.db.ledger.set_region_fence(false, "test-1", 2, "restored").await.unwrap();
+    eventually("the one that stayed delivered, the one that moved ended unsent", async || {
+        states(&app).await == BTreeMap::from([("delivered".to_owned(), 1), ("failed".to_owned(), 1)])
+    })
+    .await;
+    let accepted: Vec<Value> =
+        receiver.arrivals("region").await.into_iter().filter(|a| a.accepted()).filter_map(|a| a.data).collect();
+    assert_eq!(accepted.len(), 1);
+    assert_eq!(accepted[0]["end_to_end_id"], "E2E-stayed");
+    let why: String = sqlx::query_scalar("SELECT last_error FROM webhook_deliveries WHERE state = 'failed'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert!(why.contains("taken over by region test-2"), "{why}");
 }
