@@ -450,6 +450,14 @@ pub struct ServeSettings {
     pub webhooks_allow_private: bool,
     #[command(flatten)]
     pub webhook_delivery: DeliverySettings,
+    /// How often the inbox worker applies what the rails' notifications wait for (returns of
+    /// payments that settled since, verdicts nobody is working), in milliseconds (0: never).
+    #[arg(long = "inbox-interval-ms", env = "KEYFENCE_INBOX_INTERVAL_MS", default_value_t = 1000)]
+    pub inbox_interval_ms: u64,
+    /// The secrets the rails sign their notifications with, when given in code (tests); else
+    /// `KEYFENCE_E1_NOTIFY_SECRET` and `KEYFENCE_E2_NOTIFY_SECRET` (the environment only).
+    #[arg(skip)]
+    pub rail_secrets: Option<crate::inbox::RailSecrets>,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,

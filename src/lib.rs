@@ -38,6 +38,7 @@ pub mod engine;
 pub mod expiry;
 pub mod failpoint;
 pub mod http;
+pub mod inbox;
 pub mod keystore;
 pub mod ledger;
 pub mod metrics;

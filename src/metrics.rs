@@ -120,6 +120,12 @@ fn describe() {
         "Webhook deliveries ended: delivered, failed, or superseded (a lease that ran out)"
     );
     describe_counter!("keyfence_webhook_endpoints_disabled_total", "Webhook endpoints disabled, by why");
+    describe_counter!(
+        "keyfence_rail_notifications_total",
+        "Notifications from the rails, by kind and what became of them on arrival"
+    );
+    describe_counter!("keyfence_notified_verdicts_total", "External steps settled by a rail's notification, by step");
+    describe_counter!("keyfence_returns_total", "Settled payments the rail returned, posted back to the debtor");
     describe_gauge!(
         "keyfence_webhook_undelivered",
         "Webhook deliveries of this region's ledger still to arrive (and events not yet fanned out)"

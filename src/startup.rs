@@ -15,6 +15,7 @@ use crate::clients::{ClientStore, Directory};
 use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
 use crate::http::{AppState, Peers, RegionSecret, Throttle, admin_router, router, server};
+use crate::inbox::RailSecrets;
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::rail::RailClient;
@@ -150,6 +151,8 @@ pub struct Application {
     expiry: Option<(Duration, expiry::Options)>,
     /// `None`: this process delivers no webhooks.
     webhooks: Option<(Duration, Arc<webhooks::worker::Worker>)>,
+    /// `None`: no inbox worker in this process.
+    inbox_interval: Option<Duration>,
 }
 
 impl Application {
@@ -209,6 +212,7 @@ impl Application {
             body_limit: settings.body_limit,
             webhooks: endpoints.clone(),
             webhook_targets: TargetPolicy { allow_private: settings.webhooks_allow_private },
+            rail_secrets: settings.rail_secrets.clone().unwrap_or_else(RailSecrets::from_env),
         };
         match advertisable(&url, settings.local_regions) {
             Ok(()) => {
@@ -253,6 +257,7 @@ impl Application {
             recovery_interval,
             expiry,
             webhooks,
+            inbox_interval: Some(Duration::from_millis(settings.inbox_interval_ms)).filter(|d| !d.is_zero()),
         })
     }
 
@@ -267,7 +272,8 @@ impl Application {
     }
 
     /// Serves (and runs the recovery worker, the expiry sweeper, the
-    /// webhook delivery worker and the ledger fence's follower) until `shutdown` resolves, then finishes
+    /// webhook delivery worker, the inbox worker and the ledger fence's
+    /// follower) until `shutdown` resolves, then finishes
     /// in-flight requests.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let (stop, stopped) = tokio::sync::watch::channel(());
@@ -286,6 +292,9 @@ impl Application {
         });
         let courier =
             self.webhooks.map(|(every, worker)| tokio::spawn(worker.run_until_stopped(every, stopped.clone())));
+        let clerk = self.inbox_interval.map(|every| {
+            tokio::spawn(crate::inbox::worker::run_until_stopped(self.engine.clone(), every, stopped.clone()))
+        });
         let (admin_listener, admin_router) = self.admin;
         let mut admin_stopped = stopped;
         let admin = tokio::spawn(server::serve(admin_listener, admin_router, self.limits, async move {
@@ -296,7 +305,7 @@ impl Application {
             drop(stop);
         })
         .await;
-        for task in worker.into_iter().chain(reaper).chain(courier).chain([follower]) {
+        for task in worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain([follower]) {
             let _ = task.await;
         }
         let _ = admin.await;

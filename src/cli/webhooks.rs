@@ -25,7 +25,8 @@ pub enum WebhooksCommand {
         /// Where to send the events (https; see --allow-private).
         #[arg(long)]
         url: String,
-        /// An event to send (repeat for more): payment.succeeded, payment.rejected, payment.indeterminate.
+        /// An event to send (repeat for more): payment.succeeded, payment.rejected, payment.indeterminate,
+        /// payment.returned.
         #[arg(long = "event", required = true)]
         events: Vec<String>,
         /// The endpoint may be inside the network or plain http on this machine (development only).

@@ -30,7 +30,7 @@ use crate::regions::RegionView;
 pub use derived_key::derived_key;
 pub use error::{Cause, EngineError, Fenced};
 pub use operation::{ExternalStep, Operation, Rail, Step, StepContext};
-pub use payment::PaymentOperation;
+pub use payment::{PaymentOperation, ReturnEffect, apply_return};
 pub use recover::Recovery;
 pub use submit::Submission;
 

@@ -115,17 +115,70 @@ impl PaymentOperation {
     }
 }
 
+/// What a rail's return of a payment did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReturnEffect {
+    /// Posted: the payment is `returned`, and `payment.returned` queued.
+    Returned,
+    /// The payment has not settled yet: the return waits for it.
+    NotYetSettled,
+    /// Nothing to do, and why (returned already, or never settled here).
+    Nothing(&'static str),
+}
+
+/// Applies the rail's return of payment `payment_id` (`amount_minor` in
+/// `currency`, for `reason`), inside the phase that takes it: the settled
+/// amount moves back from the creditor to the debtor in one balanced
+/// entry, the payment is marked `returned` with the reason code, and
+/// `payment.returned` is queued. A return is taken once: a payment
+/// returned already is left as it is.
+pub async fn apply_return(
+    conn: &mut sqlx::PgConnection,
+    payment_id: uuid::Uuid,
+    amount_minor: i64,
+    currency: &str,
+    reason: &str,
+) -> Result<ReturnEffect, EngineError> {
+    let payment = payments::current(conn, payment_id).await?;
+    match payment.status.as_str() {
+        "succeeded" => {}
+        "pending" | "indeterminate" => return Ok(ReturnEffect::NotYetSettled),
+        "returned" => return Ok(ReturnEffect::Nothing("the payment was returned already")),
+        _ => return Ok(ReturnEffect::Nothing("the payment did not settle in this ledger")),
+    }
+    if payment.amount_minor != amount_minor || payment.currency != currency {
+        return Ok(ReturnEffect::Nothing("the return is not of the amount the payment settled"));
+    }
+    let (payment, client, fence) = payments::mark_returned(conn, payment_id, reason).await?;
+    let legs = [
+        Leg { account: &format!("creditor:{}", payment.creditor_account), amount_minor: -amount_minor },
+        Leg { account: &format!("debtor:{}", payment.debtor_account), amount_minor },
+    ];
+    payments::post(conn, payment_id, "return", currency, &legs, fence).await?;
+    queue(conn, client, &payment, "payment.returned").await?;
+    Ok(ReturnEffect::Returned)
+}
+
 /// Queues webhook event `event` about `payment`, in the phase that causes
 /// it: the payment as the API shows it, but with its account numbers
 /// masked (the whole payment is one authenticated GET away).
 async fn queue_event(cx: &mut StepContext<'_>, payment: &Payment, event: &str) -> Result<(), EngineError> {
+    queue(cx.conn, cx.request.key.client, payment, event).await
+}
+
+async fn queue(
+    conn: &mut sqlx::PgConnection,
+    client: crate::domain::ClientId,
+    payment: &Payment,
+    event: &str,
+) -> Result<(), EngineError> {
     let mut data = serde_json::to_value(payment).map_err(|e| EngineError::Fault(e.to_string()))?;
     data["debtor_account"] = webhooks::masked(&payment.debtor_account).into();
     data["creditor_account"] = webhooks::masked(&payment.creditor_account).into();
     if let Some(info) = data.as_object_mut() {
         info.remove("remittance_info");
     }
-    webhooks::queue::event(cx.conn, cx.request.key.client, payment.id, event, &data).await?;
+    webhooks::queue::event(conn, client, payment.id, event, &data).await?;
     Ok(())
 }
 

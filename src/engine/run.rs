@@ -260,10 +260,46 @@ impl<K: KeyStore> Engine<K> {
     ) -> Result<Settled, EngineError> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = wire_key(attempt, ext);
-        match self.rails.get(ext.rail).probe(&key, &instruction(op, attempt, ext)).await {
+        let sent = instruction(op, attempt, ext);
+        if let Some(verdict) = self.notified(attempt, ext, &key, &sent).await? {
+            return Ok(Settled::Verdict(verdict));
+        }
+        match self.rails.get(ext.rail).probe(&key, &sent).await {
             ProbeOutcome::Found(verdict) => Ok(Settled::Verdict(verdict)),
             ProbeOutcome::NotFound => self.call(op, attempt, ext).await,
             ProbeOutcome::Unknown(why) => self.park(op, attempt, ext, &why).await,
+        }
+    }
+
+    /// The verdict a rail's notification brought for `ext` (the inbox),
+    /// if one waits and it answers what was sent: taken as a probe's
+    /// answer would be, and marked applied by the phase that records it.
+    async fn notified(
+        &self,
+        attempt: &Attempt,
+        ext: &ExternalStep,
+        key: &str,
+        sent: &crate::rail::Instruction,
+    ) -> Result<Option<Verdict>, EngineError> {
+        let derived = derived_key(&attempt.record.key, attempt.record.payment_id, ext.name);
+        let Some((kind, body)) = self.ledger.notified_verdict(derived).await? else { return Ok(None) };
+        let verdict = match kind.as_str() {
+            "applied" => serde_json::from_value(body).map(Verdict::Applied),
+            _ => serde_json::from_value(body).map(Verdict::Declined),
+        };
+        match verdict {
+            Ok(verdict) if crate::rail::answers(&verdict, key, sent) => {
+                metrics::counter!("keyfence_notified_verdicts_total", "step" => ext.name).increment(1);
+                Ok(Some(verdict))
+            }
+            _ => {
+                tracing::warn!(
+                    key,
+                    step = ext.name,
+                    "a notified verdict does not answer the instruction sent; probing"
+                );
+                Ok(None)
+            }
         }
     }
 

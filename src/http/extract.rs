@@ -94,13 +94,19 @@ pub fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
 /// A request's JSON body: of the declared type, whole (413 past the limit,
 /// 408 when it comes too slowly) and strict ([`super::json`]).
 pub fn json_body(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    let body = json_bytes(headers, body)?;
+    super::json::parse(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))
+}
+
+/// A JSON body's bytes as they came (for a signature over them), read as
+/// [`json_body`] reads them.
+pub fn json_bytes(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     require_json(headers)?;
-    let body = body.map_err(|rejection| match rejection.status() {
+    body.map_err(|rejection| match rejection.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::TooLarge,
         _ if timed_out(&rejection) => ApiError::BodyTimeout,
         _ => ApiError::MalformedJson(rejection.body_text()),
-    })?;
-    super::json::parse(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))
+    })
 }
 
 /// Whether reading the body failed because the client took too long.

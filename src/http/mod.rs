@@ -13,6 +13,7 @@ mod payments;
 mod peers;
 mod probes;
 mod problem;
+mod rail_events;
 pub mod server;
 mod signed;
 mod throttle;
@@ -60,6 +61,8 @@ pub struct AppState {
     pub webhooks: crate::webhooks::EndpointStore,
     /// Where a webhook endpoint may point.
     pub webhook_targets: crate::webhooks::TargetPolicy,
+    /// The secrets the rails sign their notifications with.
+    pub rail_secrets: crate::inbox::RailSecrets,
 }
 
 /// Counts every answer by route and class, and times it the way
@@ -75,6 +78,7 @@ async fn count_answers(request: Request, next: Next) -> Response {
         (_, "/v1/payments/{id}") => "get_payment",
         (_, "/v1/idempotency-keys/{key}") => "get_key",
         (_, "/v1/webhook-endpoints" | "/v1/webhook-endpoints/{id}") => "webhook_endpoints",
+        (_, "/v1/rail-events/{rail}") => "rail_events",
         (_, "/healthz" | "/readyz") => return next.run(request).await,
         _ => "other",
     };
@@ -122,6 +126,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/idempotency-keys/{key}", get(keys::show))
         .route("/v1/webhook-endpoints", axum::routing::post(webhook_endpoints::create).get(webhook_endpoints::list))
         .route("/v1/webhook-endpoints/{id}", axum::routing::delete(webhook_endpoints::remove))
+        .route("/v1/rail-events/{rail}", axum::routing::post(rail_events::receive))
         .route("/healthz", get(probes::health))
         .route("/readyz", get(probes::ready))
         .fallback(|| async { ApiError::NotFound })

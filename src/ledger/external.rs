@@ -35,7 +35,9 @@ pub async fn record_intent(
     Ok(())
 }
 
-/// Records what the external system answered for `step`.
+/// Records what the external system answered for `step`. A notification
+/// of the same verdict waiting in the inbox has taken effect with it: it
+/// is marked applied in the same statement.
 pub async fn record_verdict(
     conn: &mut PgConnection,
     request: &RequestRecord,
@@ -49,8 +51,13 @@ pub async fn record_verdict(
     };
     let result = result.map_err(|e| LedgerError::Corrupt(format!("a verdict that does not serialise: {e}")))?;
     sqlx::query(
-        "UPDATE external_calls SET outcome = $7, result = $5, fence = $6, done_at = now()
-          WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
+        "WITH call AS (
+            UPDATE external_calls SET outcome = $7, result = $5, fence = $6, done_at = now()
+             WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4
+         RETURNING derived_key)
+         UPDATE inbox SET state = 'applied', applied_at = now()
+           FROM call
+          WHERE inbox.derived_key = call.derived_key AND inbox.state = 'pending' AND inbox.kind <> 'returned'",
     )
     .bind(request.key.client.as_uuid())
     .bind(request.key.key.as_str())

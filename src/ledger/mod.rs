@@ -8,6 +8,7 @@
 mod clients;
 mod error;
 pub mod external;
+pub mod inbox;
 pub mod payments;
 mod phase;
 mod region_fence;

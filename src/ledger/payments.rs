@@ -129,6 +129,29 @@ pub async fn current(conn: &mut PgConnection, payment_id: Uuid) -> Result<Paymen
         .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
 }
 
+/// Marks a settled payment returned by the rail, with the reason code;
+/// returns it as it now stands, whose it is, and the fence it was last
+/// written under.
+pub async fn mark_returned(
+    conn: &mut PgConnection,
+    payment_id: Uuid,
+    reason: &str,
+) -> Result<(Payment, ClientId, Fence), LedgerError> {
+    let query = format!(
+        "UPDATE payments SET status = 'returned', reason = $2, updated_at = now()
+          WHERE id = $1 RETURNING {COLUMNS}, fence, client_id"
+    );
+    let row = sqlx::query(sqlx::AssertSqlSafe(query))
+        .bind(payment_id)
+        .bind(reason)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))?;
+    let fence: i64 = sqlx::Row::try_get(&row, "fence")?;
+    let client: Uuid = sqlx::Row::try_get(&row, "client_id")?;
+    Ok((Payment::from_row(&row)?, ClientId::new(client), Fence::new(fence.unsigned_abs())))
+}
+
 /// Marks a payment voided, if it has a row (a request whose first phase
 /// never committed has none).
 pub async fn mark_voided(conn: &mut PgConnection, payment_id: Uuid, fence: Fence) -> Result<(), LedgerError> {

@@ -145,9 +145,8 @@ fn trace_context() -> reqwest::header::HeaderMap {
 
 /// The definite answers: 200/201 with what was applied, 402 with why it was
 /// declined. Anything else, or a body that does not read, is no answer.
-/// The verdict an answer carries, if it is about what was sent: an answer
-/// for another key, amount, currency or reference (a confused or hostile
-/// system, a proxy mixing answers up) settles nothing and counts as unknown.
+/// The verdict an answer carries, if it is about what was sent
+/// ([`super::answers`]); one about something else counts as unknown.
 async fn verdict(response: reqwest::Response, key: &str, sent: &Instruction) -> Result<Verdict, String> {
     let status = response.status();
     let unreadable = |e: reqwest::Error| format!("{status} with an unreadable answer: {e}");
@@ -158,12 +157,9 @@ async fn verdict(response: reqwest::Response, key: &str, sent: &Instruction) -> 
         StatusCode::PAYMENT_REQUIRED => response.json::<Declined>().await.map(Verdict::Declined).map_err(unreadable),
         other => Err(format!("{} answered {other}", response.url().origin().ascii_serialization())),
     }?;
-    let (answered_key, reference, amount) = match &verdict {
-        Verdict::Applied(a) => (&a.idempotency_key, &a.end_to_end_id, Some((a.amount_minor, &a.currency))),
-        Verdict::Declined(d) => (&d.idempotency_key, &d.end_to_end_id, None),
-    };
-    let matches = answered_key == key
-        && *reference == sent.end_to_end_id
-        && amount.is_none_or(|(minor, currency)| minor == sent.amount_minor && *currency == sent.currency);
-    if matches { Ok(verdict) } else { Err(format!("an answer that does not match the instruction sent under {key}")) }
+    if super::answers(&verdict, key, sent) {
+        Ok(verdict)
+    } else {
+        Err(format!("an answer that does not match the instruction sent under {key}"))
+    }
 }

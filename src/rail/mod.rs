@@ -59,9 +59,58 @@ pub struct Declined {
     pub declined_at: String,
 }
 
+/// An instruction the external system applied and later returned (the
+/// money went back), as it reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Returned {
+    pub idempotency_key: String,
+    pub end_to_end_id: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    /// Machine-readable, e.g. `AC04` (account closed).
+    pub reason_code: String,
+    /// RFC 3339.
+    pub returned_at: String,
+}
+
+/// What an external system tells its participant after the fact, posted
+/// to its callback: `{"type": "instruction.applied", "id", "applied": {..}}`,
+/// and so on. `id` names the message (and is its `webhook-id`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type")]
+pub enum Notice {
+    #[serde(rename = "instruction.applied")]
+    Applied { id: String, applied: Applied },
+    #[serde(rename = "instruction.declined")]
+    Declined { id: String, declined: Declined },
+    #[serde(rename = "instruction.returned")]
+    Returned { id: String, returned: Returned },
+}
+
+impl Notice {
+    pub fn id(&self) -> &str {
+        match self {
+            Self::Applied { id, .. } | Self::Declined { id, .. } | Self::Returned { id, .. } => id,
+        }
+    }
+}
+
 /// A definite answer from an external system: what happened, for good.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
     Applied(Applied),
     Declined(Declined),
+}
+
+/// Whether `verdict` answers the instruction `sent` under `key`: an answer
+/// for another key, amount, currency or reference (a confused or hostile
+/// system, a proxy mixing answers up) settles nothing.
+pub fn answers(verdict: &Verdict, key: &str, sent: &Instruction) -> bool {
+    let (answered_key, reference, amount) = match verdict {
+        Verdict::Applied(a) => (&a.idempotency_key, &a.end_to_end_id, Some((a.amount_minor, &a.currency))),
+        Verdict::Declined(d) => (&d.idempotency_key, &d.end_to_end_id, None),
+    };
+    answered_key == key
+        && *reference == sent.end_to_end_id
+        && amount.is_none_or(|(minor, currency)| minor == sent.amount_minor && *currency == sent.currency)
 }

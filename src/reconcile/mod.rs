@@ -264,6 +264,7 @@ pub async fn run<K: KeyStore>(
         handoffs_cleared,
         findings: found.into_iter().map(|f| f.finding).collect(),
         indeterminate: engine.ledger().indeterminate().await?,
+        unmatched_notifications: engine.ledger().unmatched().await?,
         seconds: started.elapsed().as_secs_f64(),
     })
 }

@@ -11,6 +11,7 @@ use uuid::Uuid;
 use super::{Class, Repair};
 use crate::domain::ScopedKey;
 use crate::ledger::external::Indeterminate;
+use crate::ledger::inbox::Unmatched;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
@@ -69,6 +70,9 @@ pub struct Report {
     pub handoffs_cleared: usize,
     pub findings: Vec<Finding>,
     pub indeterminate: Vec<Indeterminate>,
+    /// Rail notifications naming no instruction of this ledger: for a
+    /// person to settle with the rail (keyfence may have lost the payment).
+    pub unmatched_notifications: Vec<Unmatched>,
     pub seconds: f64,
     /// Time spent waiting on key-table scan pages, summed over segments.
     pub key_store_seconds: f64,
@@ -134,6 +138,7 @@ impl Report {
             "unrepaired": self.unrepaired(),
             "findings": self.findings,
             "indeterminate": self.indeterminate,
+            "unmatched_notifications": self.unmatched_notifications,
         })
     }
 
@@ -178,6 +183,21 @@ impl Report {
                 out += &format!(
                     "  client {} key {} payment {} step {} derived key {} ({} attempts)\n",
                     i.client_id, i.idem_key, i.payment_id, i.step, i.derived_key, i.attempts
+                );
+            }
+        }
+        if !self.unmatched_notifications.is_empty() {
+            out += &format!(
+                "rail notifications naming no instruction of this ledger, for settlement: {}\n",
+                self.unmatched_notifications.len()
+            );
+            for n in &self.unmatched_notifications {
+                out += &format!(
+                    "  rail {} message {} ({}) key {}\n",
+                    n.rail,
+                    n.message_id,
+                    n.kind,
+                    n.idempotency_key.as_deref().unwrap_or("-")
                 );
             }
         }

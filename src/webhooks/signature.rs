@@ -24,6 +24,27 @@ pub fn header(secrets: &[&Secret], id: &str, timestamp: i64, body: &[u8]) -> Str
         .join(" ")
 }
 
+/// How far a signed message's timestamp may be from now.
+pub const TOLERANCE: std::time::Duration = std::time::Duration::from_secs(5 * 60);
+
+/// Whether `header` (a `webhook-signature`) holds a signature of `body`
+/// sent as `id` at `timestamp` under `secret`, and `timestamp` is within
+/// [`TOLERANCE`] of `now` (seconds since the epoch). Compared in constant time.
+pub fn verify(secret: &str, id: &str, timestamp: i64, body: &[u8], header: &str, now: i64) -> bool {
+    if timestamp.abs_diff(now) > TOLERANCE.as_secs() {
+        return false;
+    }
+    let Some(key) = secret.strip_prefix("whsec_").and_then(|raw| STANDARD.decode(raw).ok()) else { return false };
+    header.split(' ').filter_map(|part| part.strip_prefix("v1,")).filter_map(|b64| STANDARD.decode(b64).ok()).any(
+        |signature| {
+            let Ok(mut mac) = HmacSha256::new_from_slice(&key) else { return false };
+            mac.update(format!("{id}.{timestamp}.").as_bytes());
+            mac.update(body);
+            mac.verify_slice(&signature).is_ok()
+        },
+    )
+}
+
 /// One signature in base64; `None` for a secret that is not `whsec_` and base64.
 fn sign(secret: &str, id: &str, timestamp: i64, body: &[u8]) -> Option<String> {
     let key = STANDARD.decode(secret.strip_prefix("whsec_")?).ok()?;
@@ -47,6 +68,19 @@ mod tests {
         let secret = secret("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
         let signed = header(&[&secret], "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, br#"{"test": 2432232314}"#);
         assert_eq!(signed, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn only_a_fresh_signature_by_the_secret_verifies() {
+        let (secret, other) = (Secret::generate(1), Secret::generate(1));
+        let signed = header(&[&other, &secret], "msg_1", 1000, b"{}");
+        assert!(verify(&secret.value, "msg_1", 1000, b"{}", &signed, 1000));
+        assert!(verify(&secret.value, "msg_1", 1000, b"{}", &signed, 1000 + 300), "within five minutes");
+        assert!(!verify(&secret.value, "msg_1", 1000, b"{}", &signed, 1000 + 301), "stale");
+        assert!(!verify(&secret.value, "msg_2", 1000, b"{}", &signed, 1000), "another id");
+        assert!(!verify(&secret.value, "msg_1", 1000, b"{ }", &signed, 1000), "another body");
+        assert!(!verify(&secret.value, "msg_1", 1000, b"{}", &header(&[&other], "msg_1", 1000, b"{}"), 1000));
+        assert!(!verify(&secret.value, "msg_1", 1000, b"{}", "v1,!!! v2,abc", 1000));
     }
 
     #[test]

@@ -8,6 +8,7 @@ use keyfence::clients::ClientStore;
 use keyfence::config::{DeliverySettings, EngineConfig, RailSettings, ServeSettings, WorkSettings};
 use keyfence::domain::{ApiKey, ClientId};
 use keyfence::http::RegionSecret;
+use keyfence::inbox::RailSecrets;
 use keyfence::keystore::CONTROL_PREFIX;
 use keyfence::rail::sim::Simulator;
 use keyfence::rail::{Applied, Declined};
@@ -21,6 +22,8 @@ use crate::proxy::Proxy;
 /// A rail simulator on a random local port.
 pub struct TestRail {
     pub url: String,
+    /// The simulator itself, when this is one.
+    pub sim: Option<std::sync::Arc<Simulator>>,
     _stop: oneshot::Sender<()>,
 }
 
@@ -37,7 +40,7 @@ impl TestRail {
                 })
                 .await
         });
-        Self { url, _stop: stop }
+        Self { url, sim: None, _stop: stop }
     }
 
     pub async fn start(name: &str) -> Self {
@@ -50,13 +53,14 @@ impl TestRail {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
         let sim = Simulator::new(name, dedup_window);
+        let served = sim.clone();
         tokio::spawn(async move {
-            keyfence::rail::sim::serve(listener, sim, async {
+            keyfence::rail::sim::serve(listener, served, async {
                 let _ = stopped.await;
             })
             .await
         });
-        Self { url, _stop: stop }
+        Self { url, sim: Some(sim), _stop: stop }
     }
 
     /// Every instruction the rail declined, in order.
@@ -172,6 +176,10 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         local_regions: true,
         webhooks_allow_private: true,
         webhook_delivery: test_delivery(),
+        inbox_interval_ms: 200,
+        rail_secrets: Some(RailSecrets::new(
+            [("e1", RAIL_NOTIFY_SECRET), ("e2", RAIL_NOTIFY_SECRET)].map(|(r, s)| (r.to_owned(), s.to_owned())).into(),
+        )),
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,
@@ -238,6 +246,9 @@ pub fn test_delivery() -> DeliverySettings {
         retention: Duration::from_secs(7 * 24 * 3600),
     }
 }
+
+/// The secret the test rails sign their notifications with.
+pub const RAIL_NOTIFY_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
 /// The secret the test deployment's regions share.
 pub const REGION_SECRET: &str = "the test deployment's region secret, 32 bytes or more";

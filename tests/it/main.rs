@@ -25,6 +25,7 @@ mod front_door;
 mod front_door_faults;
 mod harness;
 mod hostile;
+mod inbox;
 mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;

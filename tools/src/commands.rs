@@ -26,6 +26,13 @@ pub struct RailSimArgs {
     /// rails do); a repeat after that is a new instruction. Default: never.
     #[arg(long = "dedup-window-ms")]
     dedup_window_ms: Option<u64>,
+    /// Post a signed notification of every verdict and return to this URL (keyfence's
+    /// `/v1/rail-events/{rail}`).
+    #[arg(long, requires = "notify_secret")]
+    notify: Option<String>,
+    /// The Standard Webhooks secret (`whsec_...`) notifications are signed with.
+    #[arg(long = "notify-secret", env = "RAIL_SIM_NOTIFY_SECRET", hide_env_values = true)]
+    notify_secret: Option<String>,
 }
 
 #[derive(Args)]
@@ -84,6 +91,10 @@ pub async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
     tracing::info!(%addr, name = %args.name, "rail simulator serving");
     println!("rail-sim {}: listening on http://{addr}", args.name);
     let sim = rail::sim::Simulator::new(&args.name, args.dedup_window_ms.map(std::time::Duration::from_millis));
+    if let (Some(url), Some(secret)) = (args.notify, args.notify_secret) {
+        tracing::info!(%url, "posting notifications");
+        sim.notify_to(rail::sim::notify::Callback { url, secret });
+    }
     rail::sim::serve(listener, sim, shutdown_signal()).await?;
     Ok(())
 }

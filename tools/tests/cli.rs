@@ -23,7 +23,7 @@ fn each_tool_offers_only_its_own_settings() {
         ("bench-reconcile", &["--sizes", "--region", "--table"], [&front_door[..], &protocol[..], &rails[..]].concat()),
         (
             "rail-sim",
-            &["--listen", "--name", "--dedup-window-ms"],
+            &["--listen", "--name", "--dedup-window-ms", "--notify", "--notify-secret"],
             [&protocol[..], &rails[..], &["--table"][..]].concat(),
         ),
     ];

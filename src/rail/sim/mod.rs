@@ -12,7 +12,14 @@
 //! Like a real rail it keeps idempotency keys for a limited window when
 //! started with one (`--dedup-window-ms`): past it, a repeat under the same
 //! key is a new instruction. Its status API (the probe) keeps answering
-//! from the full history.
+//! from the full history, and it lists the keys it was probed for.
+//!
+//! Given a callback ([`notify`]), it also tells its participant what it
+//! decided after the fact: every verdict, and returns it decides later
+//! (`PUT /v1/returns`, or a `return_rate` fault), with at-least-once
+//! delivery, duplicates and reordering.
+
+pub mod notify;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,7 +34,8 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
-use super::{Applied, Declined, Instruction, Verdict};
+use self::notify::{Callback, Notifier};
+use super::{Applied, Declined, Instruction, Notice, Returned, Verdict};
 
 /// How long a timed-out answer is held back: far past any client's timeout.
 const HANG: Duration = Duration::from_secs(120);
@@ -42,12 +50,19 @@ pub struct Faults {
     pub error_rate: f64,
     /// Share of instructions applied whose answer is then held back.
     pub timeout_after_apply_rate: f64,
+    /// Share of notifications sent twice.
+    pub duplicate_rate: f64,
+    /// Each notification waits a random time up to this first (so they arrive out of order).
+    pub delay_ms: u64,
+    /// Share of applied instructions returned a moment later (reason `AC04`).
+    pub return_rate: f64,
 }
 
 impl Faults {
     fn validate(&self) -> Result<(), String> {
         let rate = |r: f64| (0.0..=1.0).contains(&r);
-        if rate(self.error_rate) && rate(self.timeout_after_apply_rate) {
+        if [self.error_rate, self.timeout_after_apply_rate, self.duplicate_rate, self.return_rate].into_iter().all(rate)
+        {
             Ok(())
         } else {
             Err("rates are shares between 0.0 and 1.0".into())
@@ -90,6 +105,11 @@ struct Book {
     entries: Vec<Entry>,
     /// The newest entry under each key.
     latest: HashMap<String, usize>,
+    /// Returns decided, by key, and in order.
+    returns: HashMap<String, Returned>,
+    returned: Vec<String>,
+    /// Every key probed, in order.
+    probes: Vec<String>,
 }
 
 /// One simulated external system.
@@ -100,6 +120,7 @@ pub struct Simulator {
     book: Mutex<Book>,
     faults: Mutex<Faults>,
     rules: Mutex<Rules>,
+    notifier: Mutex<Option<Arc<Notifier>>>,
 }
 
 impl Simulator {
@@ -110,7 +131,51 @@ impl Simulator {
             book: Mutex::default(),
             faults: Mutex::default(),
             rules: Mutex::default(),
+            notifier: Mutex::default(),
         })
+    }
+
+    /// Posts notifications to `callback` from now on.
+    pub fn notify_to(&self, callback: Callback) {
+        *self.notifier.lock().unwrap_or_else(|p| p.into_inner()) = Some(Notifier::new(&self.name, callback));
+    }
+
+    /// Posts `notice(id)` if a callback is set, under the faults in force.
+    fn notify(&self, notice: impl FnOnce(String) -> Notice) {
+        let notifier = self.notifier.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(notifier) = notifier {
+            let faults = self.faults();
+            notifier.post(notice(notifier.next_id()), Duration::from_millis(faults.delay_ms), faults.duplicate_rate);
+        }
+    }
+
+    /// Returns the instruction applied under `key` (once: a repeat answers
+    /// the first return, and notifies it again). `None` if nothing was
+    /// applied under it.
+    fn return_instruction(&self, key: &str, reason_code: &str) -> Option<Returned> {
+        let returned = {
+            let mut book = self.book();
+            match book.returns.get(key) {
+                Some(first) => first.clone(),
+                None => {
+                    let Verdict::Applied(applied) = &book.entries[*book.latest.get(key)?].verdict else { return None };
+                    let returned = Returned {
+                        idempotency_key: key.to_owned(),
+                        end_to_end_id: applied.end_to_end_id.clone(),
+                        amount_minor: applied.amount_minor,
+                        currency: applied.currency.clone(),
+                        reason_code: reason_code.to_owned(),
+                        returned_at: OffsetDateTime::now_utc().format(&Rfc3339).unwrap_or_default(),
+                    };
+                    book.returns.insert(key.to_owned(), returned.clone());
+                    book.returned.push(key.to_owned());
+                    returned
+                }
+            }
+        };
+        tracing::info!(rail = %self.name, key, "instruction returned");
+        self.notify(|id| Notice::Returned { id, returned: returned.clone() });
+        Some(returned)
     }
 
     fn book(&self) -> MutexGuard<'_, Book> {
@@ -200,6 +265,8 @@ pub fn router(sim: Arc<Simulator>) -> Router {
         .route("/v1/instructions/{key}", get(probe))
         .route("/v1/statement", get(statement))
         .route("/v1/declines", get(declines))
+        .route("/v1/returns", put(make_return).get(returns))
+        .route("/v1/probes", get(probes))
         .route("/v1/faults", put(set_faults).delete(reset_faults).get(show_faults))
         .route("/v1/rules", put(set_rules).delete(reset_rules).get(show_rules))
         .route("/healthz", get(|| async { "ok" }))
@@ -222,6 +289,19 @@ async fn instruct(
     }
     match sim.record(key, instruction) {
         Ok((verdict, fresh)) => {
+            if fresh {
+                sim.notify(|id| match verdict.clone() {
+                    Verdict::Applied(applied) => Notice::Applied { id, applied },
+                    Verdict::Declined(declined) => Notice::Declined { id, declined },
+                });
+                if matches!(verdict, Verdict::Applied(_)) && fastrand::f64() < faults.return_rate {
+                    let (sim, key) = (sim.clone(), key.to_owned());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(faults.delay_ms)).await;
+                        sim.return_instruction(&key, "AC04");
+                    });
+                }
+            }
             if fresh && fastrand::f64() < faults.timeout_after_apply_rate {
                 tracing::info!(rail = %sim.name, key, "recorded; holding the answer back");
                 tokio::time::sleep(HANG).await;
@@ -240,7 +320,8 @@ async fn probe(State(sim): State<Arc<Simulator>>, headers: HeaderMap, Path(key):
     tracing::info!(rail = %sim.name, key, trace_id = trace_id(&headers), "probe received");
     tokio::time::sleep(Duration::from_millis(sim.faults().latency_ms)).await;
     let found = {
-        let book = sim.book();
+        let mut book = sim.book();
+        book.probes.push(key.clone());
         book.latest.get(&key).map(|&i| book.entries[i].verdict.clone())
     };
     match found {
@@ -257,6 +338,39 @@ async fn statement(State(sim): State<Arc<Simulator>>) -> Json<Vec<Applied>> {
 /// Every declined instruction, in order.
 async fn declines(State(sim): State<Arc<Simulator>>) -> Json<Vec<Declined>> {
     Json(sim.verdicts(|verdict| if let Verdict::Declined(declined) = verdict { Some(declined.clone()) } else { None }))
+}
+
+/// What `PUT /v1/returns` takes.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReturnRequest {
+    idempotency_key: String,
+    #[serde(default = "account_closed")]
+    reason_code: String,
+}
+
+fn account_closed() -> String {
+    "AC04".to_owned()
+}
+
+/// Returns an applied instruction (its notification follows); 404 if none
+/// was applied under the key.
+async fn make_return(State(sim): State<Arc<Simulator>>, Json(asked): Json<ReturnRequest>) -> Response {
+    match sim.return_instruction(&asked.idempotency_key, &asked.reason_code) {
+        Some(returned) => Json(returned).into_response(),
+        None => (StatusCode::NOT_FOUND, "no instruction applied under this key").into_response(),
+    }
+}
+
+/// Every return decided, in order.
+async fn returns(State(sim): State<Arc<Simulator>>) -> Json<Vec<Returned>> {
+    let book = sim.book();
+    Json(book.returned.iter().filter_map(|key| book.returns.get(key).cloned()).collect())
+}
+
+/// Every key probed, in order.
+async fn probes(State(sim): State<Arc<Simulator>>) -> Json<Vec<String>> {
+    Json(sim.book().probes.clone())
 }
 
 async fn set_rules(State(sim): State<Arc<Simulator>>, Json(rules): Json<Rules>) -> Json<Rules> {

@@ -1,0 +1,181 @@
+//! The inbox: what the rails tell keyfence after the fact, each message
+//! taken in once. A rail posts a signed notification (the Standard Webhooks
+//! way, with the secret keyfence holds for it) of every verdict it reaches
+//! and of returns it decides later; `POST /v1/rail-events/{rail}` checks
+//! the signature, and [`take`] records the message by its id (seen again,
+//! it is acknowledged and dropped) and sets its effect going:
+//! - a verdict for an instruction in flight is applied only through the
+//!   protocol: whoever next settles the external step (its owner, or a
+//!   takeover started here) reads the verdict from the inbox instead of
+//!   probing, and the phase that records the outcome marks the message
+//!   applied in the same transaction;
+//! - a return of a settled payment is applied in a phase of its own
+//!   ([`apply_return`]): compensating entries, the payment `returned`,
+//!   `payment.returned` queued, the message marked applied, all at once; a
+//!   return that arrives before its payment has settled waits for it;
+//! - a message naming no instruction of this ledger is kept (state
+//!   `unknown`) for the reconciler.
+//!
+//! [`worker`] retries what waits: returns whose payment has settled since,
+//! and verdicts whose request no owner is working.
+
+pub mod worker;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::domain::Millis;
+use crate::engine::{Engine, EngineError, PaymentOperation, ReturnEffect, apply_return as apply_payment_return};
+use crate::keystore::{KeyState, KeyStore, StaleKey};
+use crate::ledger::LedgerError;
+use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
+use crate::rail::{Notice, Returned};
+
+/// The secret each rail signs its notifications with, by the name in its
+/// path (`e1`, `e2`): a rail without one is not listened to.
+#[derive(Clone, Default)]
+pub struct RailSecrets(BTreeMap<String, String>);
+
+impl RailSecrets {
+    pub fn new(secrets: BTreeMap<String, String>) -> Self {
+        Self(secrets)
+    }
+
+    /// `KEYFENCE_E1_NOTIFY_SECRET` and `KEYFENCE_E2_NOTIFY_SECRET`, where set.
+    pub fn from_env() -> Self {
+        let secrets = ["e1", "e2"]
+            .into_iter()
+            .filter_map(|rail| {
+                let secret = std::env::var(format!("KEYFENCE_{}_NOTIFY_SECRET", rail.to_uppercase())).ok()?;
+                Some((rail.to_owned(), secret)).filter(|(_, s)| !s.is_empty())
+            })
+            .collect();
+        Self(secrets)
+    }
+
+    pub fn get(&self, rail: &str) -> Option<&str> {
+        self.0.get(rail).map(String::as_str)
+    }
+}
+
+/// Never shows a secret.
+impl std::fmt::Debug for RailSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
+}
+
+/// The message in `body`, signed as `id`; an error says what is wrong.
+pub fn parse(rail: &str, id: &str, body: &[u8]) -> Result<Message, String> {
+    let notice: Notice = serde_json::from_slice(body).map_err(|e| format!("not a rail notification: {e}"))?;
+    let (own_id, kind, key, inner) = match notice {
+        Notice::Applied { id, applied } => {
+            let key = applied.idempotency_key.clone();
+            (id, "applied", key, serde_json::to_value(applied))
+        }
+        Notice::Declined { id, declined } => {
+            let key = declined.idempotency_key.clone();
+            (id, "declined", key, serde_json::to_value(declined))
+        }
+        Notice::Returned { id, returned } => {
+            let key = returned.idempotency_key.clone();
+            (id, "returned", key, serde_json::to_value(returned))
+        }
+    };
+    if own_id != id {
+        return Err("the notification's id is not the one it was signed as".into());
+    }
+    if id.is_empty() || id.len() > 200 {
+        return Err("a notification id is 1 to 200 characters".into());
+    }
+    Ok(Message {
+        rail: rail.to_owned(),
+        id: own_id,
+        kind,
+        derived_key: uuid::Uuid::parse_str(&key).ok(),
+        body: inner.map_err(|e| e.to_string())?,
+    })
+}
+
+/// Takes `message` in: recorded once, and its effect set going.
+pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Message) -> Result<Arrival, LedgerError> {
+    let arrival = engine.ledger().receive(message).await?;
+    metrics::counter!("keyfence_rail_notifications_total", "kind" => message.kind, "arrival" => arrival.label())
+        .increment(1);
+    if let Arrival::Pending(Some(in_flight)) = &arrival {
+        let (engine, in_flight) = (engine.clone(), in_flight.clone());
+        if message.kind == "returned" {
+            tokio::spawn(async move { worker::apply_returns(&engine).await });
+        } else {
+            tokio::spawn(async move { resume(&engine, &in_flight).await });
+        }
+    }
+    if arrival == Arrival::Unknown {
+        tracing::warn!(rail = %message.rail, id = %message.id, "a rail notification names no instruction of this ledger; kept for the reconciler");
+    }
+    Ok(arrival)
+}
+
+/// Resumes the request a verdict arrived for, if nobody is working it (an
+/// owner that is reads the verdict when it next settles the step).
+pub async fn resume<K: KeyStore>(engine: &Engine<K>, in_flight: &InFlight) {
+    let item = match engine.keys().get(&in_flight.key).await {
+        Ok(Some(item)) => item,
+        Ok(None) => return,
+        Err(e) => {
+            tracing::warn!(key = %in_flight.key, error = %e, "could not read a notified request's key");
+            return;
+        }
+    };
+    if item.state != KeyState::Started || item.created_at != in_flight.created_at || item.lease_until > Millis::now() {
+        return;
+    }
+    let stale = StaleKey {
+        key: item.key.clone(),
+        fence: item.fence,
+        home_region: item.home_region.clone(),
+        lease_until: item.lease_until,
+        created_at: item.created_at,
+    };
+    if let Err(e) = engine.recover(&stale, PaymentOperation::from_canonical).await {
+        tracing::warn!(key = %in_flight.key, error = %e, "could not resume a notified request");
+    }
+}
+
+/// Applies one waiting return, in a phase of its own.
+pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingReturn) -> Result<(), EngineError> {
+    let returned: Returned = serde_json::from_value(pending.body.clone())
+        .map_err(|e| EngineError::Fault(format!("a stored return does not read: {e}")))?;
+    let Some(mut tx) = engine.ledger().begin_return(pending).await? else { return Ok(()) };
+    let effect = apply_payment_return(
+        &mut tx,
+        pending.payment_id,
+        returned.amount_minor,
+        &returned.currency,
+        &returned.reason_code,
+    )
+    .await?;
+    let (state, note) = match effect {
+        ReturnEffect::Returned => ("applied", None),
+        ReturnEffect::NotYetSettled => return Ok(()),
+        ReturnEffect::Nothing(why) => ("ignored", Some(why)),
+    };
+    settle_message(&mut tx, &pending.rail, &pending.message_id, state, note).await?;
+    tx.commit().await.map_err(LedgerError::from)?;
+    if effect == ReturnEffect::Returned {
+        metrics::counter!("keyfence_returns_total").increment(1);
+        tracing::info!(payment = %pending.payment_id, reason = returned.reason_code, "payment returned by the rail");
+    }
+    Ok(())
+}
+
+impl Arrival {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Duplicate => "duplicate",
+            Self::Pending(_) => "pending",
+            Self::Ignored => "ignored",
+            Self::Unknown => "unknown",
+        }
+    }
+}

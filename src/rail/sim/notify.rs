@@ -1,0 +1,88 @@
+//! The simulator's notifications: what a real rail posts to its
+//! participant's callback after the fact. Every verdict it reaches (also
+//! one whose answer it held back) and every return it decides later is
+//! posted to the callback URL, signed the Standard Webhooks way with the
+//! callback's secret, and sent until the callback answers 2xx (at least
+//! once). Faults make it behave like a real network: each notification
+//! waits a random time up to `delay_ms` first (so they arrive out of
+//! order), and a share of them (`duplicate_rate`) is sent twice.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use crate::rail::Notice;
+use crate::webhooks::Secret;
+use crate::webhooks::signature;
+use backon::{ExponentialBuilder, Retryable};
+
+/// Where and how the rail posts its notifications.
+#[derive(Clone, Debug)]
+pub struct Callback {
+    pub url: String,
+    /// A Standard Webhooks secret (`whsec_` and base64).
+    pub secret: String,
+}
+
+/// Sends notifications, numbering them.
+pub struct Notifier {
+    callback: Callback,
+    http: reqwest::Client,
+    numbered: AtomicU64,
+    rail: String,
+}
+
+impl Notifier {
+    pub fn new(rail: &str, callback: Callback) -> Arc<Self> {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("a plain HTTP client");
+        Arc::new(Self { callback, http, numbered: AtomicU64::new(0), rail: rail.to_owned() })
+    }
+
+    /// A fresh notification id.
+    pub fn next_id(&self) -> String {
+        format!("evt_{}_{:08}", self.rail, self.numbered.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+
+    /// Posts `notice` in the background: after up to `delay` at random,
+    /// once or (at `duplicate_rate`) twice, each until it is taken.
+    pub fn post(self: &Arc<Self>, notice: Notice, delay: Duration, duplicate_rate: f64) {
+        let copies = if fastrand::f64() < duplicate_rate { 2 } else { 1 };
+        for _ in 0..copies {
+            let (me, notice) = (self.clone(), notice.clone());
+            let wait = delay.mul_f64(fastrand::f64());
+            tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
+                me.send(&notice).await;
+            });
+        }
+    }
+
+    async fn send(&self, notice: &Notice) {
+        let body = serde_json::to_vec(notice).expect("a notice serialises");
+        let secret = Secret { value: self.callback.secret.clone(), created_at: 0, valid_until: None };
+        let attempt = || async {
+            let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+            let timestamp = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
+            let signed = signature::header(&[&secret], notice.id(), timestamp, &body);
+            let response = self
+                .http
+                .post(&self.callback.url)
+                .header("content-type", "application/json")
+                .header("webhook-id", notice.id())
+                .header("webhook-timestamp", timestamp.to_string())
+                .header("webhook-signature", signed)
+                .body(body.clone())
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            if response.status().is_success() { Ok(()) } else { Err(format!("answered {}", response.status())) }
+        };
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(50))
+            .with_max_delay(Duration::from_secs(2))
+            .with_max_times(30);
+        if let Err(why) = attempt.retry(backoff).await {
+            tracing::warn!(rail = %self.rail, id = notice.id(), why, "a notification was never taken");
+        }
+    }
+}

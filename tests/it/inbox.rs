@@ -1,0 +1,237 @@
+//! The inbox: the rail simulator notifies keyfence of what it decided after
+//! the fact, with duplicates and reordering. Each effect happens once
+//! (counted in postings, statuses and the rail's statement); an answer the
+//! rail held back is settled by its notification before anything probes;
+//! a return after settlement posts one compensating entry however often it
+//! is sent; a notification naming nothing of ours is kept, and one not
+//! signed by the rail is refused.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use keyfence::domain::{IdempotencyKey, ScopedKey};
+use keyfence::keystore::{KeyState, KeyStore};
+use keyfence::rail::sim::notify::Callback;
+use keyfence::webhooks::{Secret, signature};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::app::{RAIL_NOTIFY_SECRET, TestApp, TestRail, payment, spawn_app_with};
+use crate::harness::eventually;
+
+/// Has `rail` notify `app` as rail `name`.
+fn notify(rail: &TestRail, app: &TestApp, name: &str) {
+    let url = format!("{}/v1/rail-events/{name}", app.url);
+    rail.sim.as_ref().unwrap().notify_to(Callback { url, secret: RAIL_NOTIFY_SECRET.to_owned() });
+}
+
+async fn quiet_app() -> TestApp {
+    spawn_app_with(|s| {
+        s.engine.work.lease = Duration::from_millis(1000);
+        (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);
+        // Nothing but the inbox resumes a parked payment.
+        s.recovery_interval_ms = 0;
+    })
+    .await
+}
+
+async fn finished(app: &TestApp, key: &str) -> bool {
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(key).unwrap());
+    app.keys.store.get(&key).await.unwrap().is_some_and(|item| item.state == KeyState::Finished)
+}
+
+async fn probes(rail: &TestRail) -> Vec<String> {
+    reqwest::get(format!("{}/v1/probes", rail.url)).await.unwrap().json().await.unwrap()
+}
+
+async fn inbox_states(app: &TestApp) -> Vec<(String, String, i64)> {
+    sqlx::query_as("SELECT kind, state, count(*) FROM inbox GROUP BY kind, state ORDER BY kind, state")
+        .fetch_all(app.db.ledger.pool())
+        .await
+        .unwrap()
+}
+
+async fn return_instruction(rail: &TestRail, key: &str) -> StatusCode {
+    let body = json!({ "idempotency_key": key });
+    reqwest::Client::new().put(format!("{}/v1/returns", rail.url)).json(&body).send().await.unwrap().status()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_back_answer_is_settled_by_its_notification_before_any_probe() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    app.e2.set_faults(json!({ "timeout_after_apply_rate": 1.0 })).await;
+    let first = app.pay("held", &payment("E2E-HELD")).await;
+    assert_eq!(first.status(), StatusCode::ACCEPTED, "the rail held its answer back");
+    eventually("settled by the notification", async || finished(&app, "held").await).await;
+
+    assert!(probes(&app.e2).await.is_empty(), "nothing probed the rail");
+    assert_eq!(app.e2.statement().await.len(), 1);
+    let retry = app.pay("held", &payment("E2E-HELD")).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    let shown: Value = retry.json().await.unwrap();
+    assert_eq!(shown["status"], "succeeded");
+    assert_eq!(inbox_states(&app).await, [("applied".to_owned(), "applied".to_owned(), 1)]);
+    assert_eq!(app.unbalanced_payments().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicated_and_reordered_notifications_take_effect_once() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    app.e2.set_faults(json!({ "duplicate_rate": 1.0, "delay_ms": 300, "timeout_after_apply_rate": 0.5 })).await;
+    let answers: Vec<StatusCode> = futures::stream::iter(0..20)
+        .map(|i| {
+            let app = &app;
+            async move { app.pay(&format!("dup-{i}"), &payment(&format!("E2E-DUP-{i}"))).await.status() }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    assert!(answers.iter().all(|s| *s == StatusCode::CREATED || *s == StatusCode::ACCEPTED), "{answers:?}");
+    assert!(answers.contains(&StatusCode::ACCEPTED), "some answers were held back: {answers:?}");
+    for i in 0..20 {
+        eventually("every payment finished", async || finished(&app, &format!("dup-{i}")).await).await;
+    }
+    // Every notification was sent twice; give the second copies time to land.
+    eventually("both copies of every notification arrived", async || {
+        let sent: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox").fetch_one(app.db.ledger.pool()).await.unwrap();
+        sent == 20
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(app.e2.statement().await.len(), 20, "one instruction each at the rail");
+    let succeeded: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE status = 'succeeded'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(succeeded, 20);
+    assert_eq!(app.count("postings").await, 20 * 6, "hold, clear and settle, two legs each, once per payment");
+    assert_eq!(app.count("inbox").await, 20, "each message kept once, however often it came");
+    let states = inbox_states(&app).await;
+    assert!(states.iter().all(|(_, state, _)| state == "applied" || state == "ignored"), "{states:?}");
+    assert_eq!(app.unbalanced_payments().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_after_settlement_posts_one_compensating_entry_however_often_it_is_sent() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    app.e2.set_faults(json!({ "duplicate_rate": 1.0 })).await;
+    let paid = app.pay("returned", &payment("E2E-RETURNED")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
+    let location = paid.headers()["location"].to_str().unwrap().to_owned();
+    let key = app.e2.statement().await[0].idempotency_key.clone();
+    for _ in 0..3 {
+        assert_eq!(return_instruction(&app.e2, &key).await, StatusCode::OK);
+    }
+    eventually("the payment is returned", async || {
+        let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
+        shown["status"] == "returned"
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let entries: Vec<(String, i64)> =
+        sqlx::query_as("SELECT entry, count(*) FROM postings WHERE entry = 'return' GROUP BY entry")
+            .fetch_all(app.db.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(entries, [("return".to_owned(), 2)], "one entry of two legs");
+    let events: Vec<String> =
+        sqlx::query_scalar("SELECT event FROM outbox ORDER BY id").fetch_all(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(events, ["payment.succeeded", "payment.returned"]);
+    let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
+    assert_eq!(shown["reason"], "AC04");
+    let returns: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM inbox WHERE kind = 'returned' GROUP BY state ORDER BY state")
+            .fetch_all(app.db.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!(returns, [("applied".to_owned(), 1), ("ignored".to_owned(), 2)], "three returns sent, one taken");
+    assert_eq!(app.unbalanced_payments().await, 0);
+    assert_eq!(return_instruction(&app.e2, "no-such-key").await, StatusCode::NOT_FOUND);
+}
+
+/// A return may arrive before the verdict it follows (both delayed at
+/// random): it waits until the payment has settled, then takes effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_that_overtakes_its_settlement_waits_for_it() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    app.e2.set_faults(json!({ "timeout_after_apply_rate": 1.0, "return_rate": 1.0, "delay_ms": 400 })).await;
+    for i in 0..5 {
+        let paid = app.pay(&format!("overtaken-{i}"), &payment(&format!("E2E-OVERTAKEN-{i}"))).await;
+        assert_eq!(paid.status(), StatusCode::ACCEPTED);
+    }
+    eventually("all five returned", async || {
+        let returned: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE status = 'returned'")
+            .fetch_one(app.db.ledger.pool())
+            .await
+            .unwrap();
+        returned == 5
+    })
+    .await;
+    let entries: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE entry = 'return'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(entries, 10, "one entry of two legs each");
+    assert_eq!(app.e2.statement().await.len(), 5);
+    assert!(probes(&app.e2).await.is_empty(), "settled by notifications alone");
+    assert_eq!(app.unbalanced_payments().await, 0);
+}
+
+/// Posts a notification to `app` as rail `rail`, signed with `secret` at `timestamp`.
+async fn post_notice(app: &TestApp, rail: &str, secret: &str, timestamp: i64, body: &Value) -> StatusCode {
+    let body = serde_json::to_vec(body).unwrap();
+    let id = body_id(&body);
+    let secret = Secret { value: secret.to_owned(), created_at: 0, valid_until: None };
+    app.http
+        .post(format!("{}/v1/rail-events/{rail}", app.url))
+        .header("content-type", "application/json")
+        .header("webhook-id", &id)
+        .header("webhook-timestamp", timestamp.to_string())
+        .header("webhook-signature", signature::header(&[&secret], &id, timestamp, &body))
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+        .status()
+}
+
+fn body_id(body: &[u8]) -> String {
+    serde_json::from_slice::<Value>(body).unwrap()["id"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_for_nothing_of_ours_is_kept_and_an_unsigned_one_refused() {
+    let app = quiet_app().await;
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let notice = json!({
+        "type": "instruction.applied",
+        "id": "evt_e2_99999999",
+        "applied": {
+            "idempotency_key": uuid::Uuid::new_v4().simple().to_string(),
+            "end_to_end_id": "E2E-STRANGER",
+            "amount_minor": 100,
+            "currency": "EUR",
+            "reference": "e2-99999999",
+            "applied_at": "2026-12-01T00:00:00Z",
+        },
+    });
+    let other = Secret::generate(0).value;
+    assert_eq!(post_notice(&app, "e2", &other, now, &notice).await, StatusCode::UNAUTHORIZED, "another secret");
+    assert_eq!(post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now - 600, &notice).await, StatusCode::UNAUTHORIZED);
+    assert_eq!(post_notice(&app, "e9", RAIL_NOTIFY_SECRET, now, &notice).await, StatusCode::NOT_FOUND);
+    assert_eq!(app.count("inbox").await, 0, "nothing kept of what was refused");
+
+    assert_eq!(post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now, &notice).await, StatusCode::OK);
+    assert_eq!(post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now, &notice).await, StatusCode::OK, "again: acknowledged");
+    assert_eq!(inbox_states(&app).await, [("applied".to_owned(), "unknown".to_owned(), 1)], "kept once, as unknown");
+    let report = crate::reconcile::reconcile(&app, false).await;
+    assert_eq!(report.unmatched_notifications.len(), 1, "the reconciler lists it");
+    assert_eq!(report.unmatched_notifications[0].message_id, "evt_e2_99999999");
+    assert!(report.table().contains("naming no instruction of this ledger"));
+    let mangled = json!({ "type": "instruction.applied", "id": "evt_e2_1" });
+    assert_eq!(post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now, &mangled).await, StatusCode::BAD_REQUEST);
+}
