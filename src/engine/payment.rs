@@ -122,12 +122,15 @@ pub enum ReturnEffect {
     Returned,
     /// The payment has not settled yet: the return waits for it.
     NotYetSettled,
-    /// Nothing to do, and why (returned already, or never settled here).
-    Nothing(&'static str),
+    /// The payment was returned already: nothing to do.
+    AlreadyReturned,
+    /// It cannot take effect here, and why (for the reconciler).
+    Unmatched(&'static str),
 }
 
-/// Applies the rail's return of payment `payment_id` (`amount_minor` in
-/// `currency`, for `reason`), inside the phase that takes it: the settled
+/// Applies the rail's return of payment `payment_id`, inside the phase
+/// that takes it (the return checked against the payment: its reference,
+/// amount and currency): the settled
 /// amount moves back from the creditor to the debtor in one balanced
 /// entry, the payment is marked `returned` with the reason code, and
 /// `payment.returned` is queued. A return is taken once: a payment
@@ -135,21 +138,24 @@ pub enum ReturnEffect {
 pub async fn apply_return(
     conn: &mut sqlx::PgConnection,
     payment_id: uuid::Uuid,
-    amount_minor: i64,
-    currency: &str,
-    reason: &str,
+    returned: &crate::rail::Returned,
 ) -> Result<ReturnEffect, EngineError> {
     let payment = payments::current(conn, payment_id).await?;
     match payment.status.as_str() {
         "succeeded" => {}
         "pending" | "indeterminate" => return Ok(ReturnEffect::NotYetSettled),
-        "returned" => return Ok(ReturnEffect::Nothing("the payment was returned already")),
-        _ => return Ok(ReturnEffect::Nothing("the payment did not settle in this ledger")),
+        "returned" => return Ok(ReturnEffect::AlreadyReturned),
+        "voided" => return Ok(ReturnEffect::Unmatched("this ledger holds a leftover of the payment")),
+        _ => return Ok(ReturnEffect::Unmatched("the payment did not settle, yet the rail returned it")),
     }
-    if payment.amount_minor != amount_minor || payment.currency != currency {
-        return Ok(ReturnEffect::Nothing("the return is not of the amount the payment settled"));
+    if payment.end_to_end_id != returned.end_to_end_id
+        || payment.amount_minor != returned.amount_minor
+        || payment.currency != returned.currency
+    {
+        return Ok(ReturnEffect::Unmatched("the return is not of what the payment settled"));
     }
-    let (payment, client, fence) = payments::mark_returned(conn, payment_id, reason).await?;
+    let (amount_minor, currency) = (returned.amount_minor, returned.currency.as_str());
+    let (payment, client, fence) = payments::mark_returned(conn, payment_id, &returned.reason_code).await?;
     let legs = [
         Leg { account: &format!("creditor:{}", payment.creditor_account), amount_minor: -amount_minor },
         Leg { account: &format!("debtor:{}", payment.debtor_account), amount_minor },

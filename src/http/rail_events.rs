@@ -1,9 +1,11 @@
 //! `POST /v1/rail-events/{rail}`: a rail's notification of what it decided
 //! after the fact. No API key: the rail signs each notification (Standard
 //! Webhooks headers) with the secret keyfence holds for it, and anything
-//! unsigned, signed otherwise, or signed more than five minutes ago is 401.
-//! A rail keyfence holds no secret for is not found. A message seen
-//! before is acknowledged again (and dropped): the rail may stop sending it.
+//! unsigned, signed otherwise, or signed more than five minutes ago is 401
+//! (as is a rail keyfence holds no secret for). A region declared failed
+//! takes nothing in (503): the rail sends it again, or to another region.
+//! A message seen before is acknowledged again (and dropped): the rail may
+//! stop sending it.
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -24,7 +26,12 @@ pub async fn receive(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let Some(secret) = state.rail_secrets.get(&rail) else { return Err(ApiError::NotFound) };
+    // A rail keyfence does not know is not found; one it holds no secret
+    // for is refused like a bad signature (no view of which are set up).
+    if !matches!(rail.as_str(), "e1" | "e2") {
+        return Err(ApiError::NotFound);
+    }
+    let secret = state.rail_secrets.get(&rail).ok_or(ApiError::Unauthenticated)?;
     let body = json_bytes(&headers, body)?;
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default();
     let (id, timestamp) = (header("webhook-id"), header("webhook-timestamp").parse::<i64>().unwrap_or(0));
@@ -33,6 +40,11 @@ pub async fn receive(
         return Err(ApiError::Unauthenticated);
     }
     let message = inbox::parse(&rail, id, &body).map_err(ApiError::MalformedJson)?;
+    let unavailable = |_| ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) };
+    let fence = state.engine.ledger().region_fence().await.map_err(unavailable)?;
+    if fence.failed {
+        return Err(ApiError::RegionFailed(fence.region.unwrap_or_default()));
+    }
     let arrival = inbox::take(&state.engine, &message).await.map_err(crate::engine::EngineError::from)?;
     let body = json!({ "received": true, "duplicate": arrival == Arrival::Duplicate });
     Ok(axum::Json(body).into_response())

@@ -18,6 +18,9 @@ use crate::domain::FieldError;
 use crate::webhooks::target::Refused;
 use crate::webhooks::{self, WebhooksError};
 
+/// The longest webhook URL taken, in characters.
+const MAX_URL: usize = 1024;
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct NewEndpoint {
@@ -38,8 +41,10 @@ pub async fn create(
     let events = webhooks::checked_events(&asked.events)
         .map_err(|message| errors.push(FieldError { field: "events", message }))
         .ok();
+    // At most 1024 characters, so the longest valid registration (however
+    // its characters are escaped) stays far inside the body limit.
     let url = match asked.url.chars().count() {
-        0..=2048 => match state.webhook_targets.check(&asked.url).await {
+        0..=MAX_URL => match state.webhook_targets.check(&asked.url).await {
             Ok(url) => Some(url),
             Err(Refused::Busy) => return Err(ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }),
             Err(Refused::Invalid(message)) => {
@@ -48,7 +53,7 @@ pub async fn create(
             }
         },
         _ => {
-            errors.push(FieldError { field: "url", message: "at most 2048 characters".to_owned() });
+            errors.push(FieldError { field: "url", message: format!("at most {MAX_URL} characters") });
             None
         }
     };

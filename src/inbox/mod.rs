@@ -92,7 +92,8 @@ pub fn parse(rail: &str, id: &str, body: &[u8]) -> Result<Message, String> {
         rail: rail.to_owned(),
         id: own_id,
         kind,
-        derived_key: uuid::Uuid::parse_str(&key).ok(),
+        // Only the form keyfence sends (32 hex digits) names an instruction.
+        derived_key: uuid::Uuid::try_parse(&key).ok().filter(|k| k.simple().to_string() == key),
         body: inner.map_err(|e| e.to_string())?,
     })
 }
@@ -102,16 +103,32 @@ pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Mess
     let arrival = engine.ledger().receive(message).await?;
     metrics::counter!("keyfence_rail_notifications_total", "kind" => message.kind, "arrival" => arrival.label())
         .increment(1);
-    if let Arrival::Pending(Some(in_flight)) = &arrival {
-        let (engine, in_flight) = (engine.clone(), in_flight.clone());
-        if message.kind == "returned" {
-            tokio::spawn(async move { worker::apply_returns(&engine).await });
-        } else {
+    match &arrival {
+        Arrival::Pending(in_flight) if message.kind == "returned" => {
+            let pending = PendingReturn {
+                rail: message.rail.clone(),
+                message_id: message.id.clone(),
+                body: message.body.clone(),
+                payment_id: in_flight.payment_id,
+            };
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                if let Err(e) = apply_return(&engine, &pending).await {
+                    tracing::warn!(id = pending.message_id, error = %e, "could not apply a return yet; the inbox worker will");
+                }
+            });
+        }
+        Arrival::Pending(in_flight) => {
+            let (engine, in_flight) = (engine.clone(), in_flight.clone());
             tokio::spawn(async move { resume(&engine, &in_flight).await });
         }
-    }
-    if arrival == Arrival::Unknown {
-        tracing::warn!(rail = %message.rail, id = %message.id, "a rail notification names no instruction of this ledger; kept for the reconciler");
+        Arrival::Unknown(why) => {
+            tracing::warn!(rail = %message.rail, id = %message.id, why, "a rail notification cannot take effect here; kept for the reconciler");
+        }
+        Arrival::Conflicting => {
+            tracing::warn!(rail = %message.rail, id = %message.id, "a rail sent another message under an id it used before; dropped");
+        }
+        Arrival::Duplicate | Arrival::Ignored => {}
     }
     Ok(arrival)
 }
@@ -147,18 +164,12 @@ pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingRetu
     let returned: Returned = serde_json::from_value(pending.body.clone())
         .map_err(|e| EngineError::Fault(format!("a stored return does not read: {e}")))?;
     let Some(mut tx) = engine.ledger().begin_return(pending).await? else { return Ok(()) };
-    let effect = apply_payment_return(
-        &mut tx,
-        pending.payment_id,
-        returned.amount_minor,
-        &returned.currency,
-        &returned.reason_code,
-    )
-    .await?;
+    let effect = apply_payment_return(&mut tx, pending.payment_id, &returned).await?;
     let (state, note) = match effect {
         ReturnEffect::Returned => ("applied", None),
         ReturnEffect::NotYetSettled => return Ok(()),
-        ReturnEffect::Nothing(why) => ("ignored", Some(why)),
+        ReturnEffect::AlreadyReturned => ("ignored", Some("the payment was returned already")),
+        ReturnEffect::Unmatched(why) => ("unknown", Some(why)),
     };
     settle_message(&mut tx, &pending.rail, &pending.message_id, state, note).await?;
     tx.commit().await.map_err(LedgerError::from)?;
@@ -173,9 +184,10 @@ impl Arrival {
     fn label(&self) -> &'static str {
         match self {
             Self::Duplicate => "duplicate",
+            Self::Conflicting => "conflicting",
             Self::Pending(_) => "pending",
             Self::Ignored => "ignored",
-            Self::Unknown => "unknown",
+            Self::Unknown(_) => "unknown",
         }
     }
 }

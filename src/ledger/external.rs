@@ -35,9 +35,10 @@ pub async fn record_intent(
     Ok(())
 }
 
-/// Records what the external system answered for `step`. A notification
-/// of the same verdict waiting in the inbox has taken effect with it: it
-/// is marked applied in the same statement.
+/// Records what the external system answered for `step`. Notifications
+/// waiting in the inbox for the same instruction take effect with it: one
+/// of the same verdict is marked applied, one that contradicts it is kept
+/// for the reconciler, in the same statement.
 pub async fn record_verdict(
     conn: &mut PgConnection,
     request: &RequestRecord,
@@ -45,9 +46,9 @@ pub async fn record_verdict(
     verdict: &Verdict,
     fence: Fence,
 ) -> Result<(), LedgerError> {
-    let (outcome, result) = match verdict {
-        Verdict::Applied(applied) => ("done", serde_json::to_value(applied)),
-        Verdict::Declined(declined) => ("declined", serde_json::to_value(declined)),
+    let (outcome, result, kind) = match verdict {
+        Verdict::Applied(applied) => ("done", serde_json::to_value(applied), "applied"),
+        Verdict::Declined(declined) => ("declined", serde_json::to_value(declined), "declined"),
     };
     let result = result.map_err(|e| LedgerError::Corrupt(format!("a verdict that does not serialise: {e}")))?;
     sqlx::query(
@@ -55,7 +56,9 @@ pub async fn record_verdict(
             UPDATE external_calls SET outcome = $7, result = $5, fence = $6, done_at = now()
              WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4
          RETURNING derived_key)
-         UPDATE inbox SET state = 'applied', applied_at = now()
+         UPDATE inbox SET applied_at = now(),
+                state = CASE WHEN inbox.kind = $8 THEN 'applied' ELSE 'unknown' END,
+                note = CASE WHEN inbox.kind = $8 THEN NULL ELSE 'contradicts the outcome recorded' END
            FROM call
           WHERE inbox.derived_key = call.derived_key AND inbox.state = 'pending' AND inbox.kind <> 'returned'",
     )
@@ -66,6 +69,7 @@ pub async fn record_verdict(
     .bind(result)
     .bind(fence_param(fence))
     .bind(outcome)
+    .bind(kind)
     .execute(conn)
     .await?;
     Ok(())

@@ -4,7 +4,7 @@
 //! applied by the phase that records the external call's outcome
 //! ([`super::external::record_verdict`] marks it in the same statement).
 
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
 use super::{Ledger, LedgerError, millis};
@@ -26,12 +26,16 @@ pub struct Message {
 pub enum Arrival {
     /// Seen before under the same id: dropped.
     Duplicate,
-    /// Kept to take effect: its instruction's request, to be resumed.
-    Pending(Option<InFlight>),
-    /// Nothing left to do (the outcome was known already).
+    /// Seen before under the same id with another body: dropped, and logged.
+    Conflicting,
+    /// Kept to take effect: its instruction's request, to be resumed (or
+    /// its payment, to be returned).
+    Pending(InFlight),
+    /// Nothing left to do (the same outcome was recorded already).
     Ignored,
-    /// Names no instruction of this ledger: kept for the reconciler.
-    Unknown,
+    /// Kept for the reconciler: it names no instruction of this ledger, or
+    /// cannot take effect here (see its note).
+    Unknown(&'static str),
 }
 
 /// The request an instruction belongs to.
@@ -39,10 +43,12 @@ pub enum Arrival {
 pub struct InFlight {
     pub key: ScopedKey,
     pub created_at: Millis,
+    pub payment_id: Uuid,
 }
 
-/// A message that names no instruction of this ledger, kept for the
-/// reconciler (and a person: the rail may have a payment keyfence lost).
+/// A message that names no instruction of this ledger, or could not take
+/// effect here, kept for the reconciler (and a person: the rail may hold a
+/// payment keyfence lost, or disagree with it).
 #[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
 pub struct Unmatched {
     pub rail: String,
@@ -50,6 +56,7 @@ pub struct Unmatched {
     pub kind: String,
     /// The instruction's key as the rail named it.
     pub idempotency_key: Option<String>,
+    pub note: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
     pub received_at: time::OffsetDateTime,
 }
@@ -63,41 +70,89 @@ pub struct PendingReturn {
     pub payment_id: Uuid,
 }
 
+/// The instruction a message names, as this ledger holds it.
+#[derive(sqlx::FromRow)]
+struct Named {
+    client_id: Uuid,
+    idem_key: String,
+    request_created_at: time::OffsetDateTime,
+    step: String,
+    outcome: String,
+    payment_id: Uuid,
+    status: Option<String>,
+    amount_minor: Option<i64>,
+    currency: Option<String>,
+    end_to_end_id: Option<String>,
+}
+
+/// The rail each step calls, by the name its notifications come under.
+fn rail_of(step: &str) -> &'static str {
+    match step {
+        "ext1" => "e1",
+        _ => "e2",
+    }
+}
+
+impl Named {
+    /// What `message` can do to this instruction.
+    fn arrival(&self, message: &Message) -> Arrival {
+        if rail_of(&self.step) != message.rail {
+            return Arrival::Unknown("the instruction was not sent to this rail");
+        }
+        let field = |name: &str| message.body.get(name);
+        let same_reference = field("end_to_end_id").and_then(|v| v.as_str()) == self.end_to_end_id.as_deref();
+        let same_amount = message.kind == "declined"
+            || (field("amount_minor").and_then(|v| v.as_i64()) == self.amount_minor
+                && field("currency").and_then(|v| v.as_str()) == self.currency.as_deref());
+        if !same_reference || !same_amount {
+            return Arrival::Unknown("it does not match the instruction sent");
+        }
+        if self.status.as_deref() == Some("voided") {
+            return Arrival::Unknown("this ledger holds a leftover; the payment's live copy is in another region");
+        }
+        let in_flight = || {
+            IdempotencyKey::parse(&self.idem_key).ok().map(|key| InFlight {
+                key: ScopedKey::new(ClientId::new(self.client_id), key),
+                created_at: millis(self.request_created_at),
+                payment_id: self.payment_id,
+            })
+        };
+        match (message.kind, self.outcome.as_str()) {
+            ("returned", _) if self.step != "ext2" => Arrival::Unknown("only the payment rail returns"),
+            ("applied", "done") | ("declined", "declined") => Arrival::Ignored,
+            ("applied" | "declined", "done" | "declined") => Arrival::Unknown("it contradicts the outcome recorded"),
+            _ => in_flight().map_or(Arrival::Unknown("the request's key does not read"), Arrival::Pending),
+        }
+    }
+}
+
 impl Ledger {
     /// Records `message` once: a message id seen before is a duplicate.
     pub async fn receive(&self, message: &Message) -> Result<Arrival, LedgerError> {
-        let call = match message.derived_key {
+        let named: Option<Named> = match message.derived_key {
             None => None,
-            Some(key) => sqlx::query(
-                "SELECT client_id, idem_key, request_created_at, outcome FROM external_calls WHERE derived_key = $1",
-            )
-            .bind(key)
-            .fetch_optional(&self.pool)
-            .await?
-            .map(|row| -> Result<_, sqlx::Error> {
-                Ok((
-                    row.try_get::<Uuid, _>(0)?,
-                    row.try_get::<String, _>(1)?,
-                    row.try_get::<time::OffsetDateTime, _>(2)?,
-                    row.try_get::<String, _>(3)?,
-                ))
-            })
-            .transpose()?,
+            Some(key) => {
+                sqlx::query_as(
+                    "SELECT c.client_id, c.idem_key, c.request_created_at, c.step, c.outcome, r.payment_id,
+                            p.status, p.amount_minor, p.currency, p.end_to_end_id
+                       FROM external_calls c
+                       JOIN requests r ON (r.client_id, r.idem_key, r.created_at)
+                                        = (c.client_id, c.idem_key, c.request_created_at)
+                       LEFT JOIN payments p ON p.id = r.payment_id
+                      WHERE c.derived_key = $1",
+                )
+                .bind(key)
+                .fetch_optional(&self.pool)
+                .await?
+            }
         };
-        let (state, note, arrival) = match &call {
-            None => ("unknown", Some("no instruction of this ledger has this key"), Arrival::Unknown),
-            Some((_, _, _, outcome))
-                if message.kind != "returned" && matches!(outcome.as_str(), "done" | "declined") =>
-            {
-                ("ignored", Some("the outcome was recorded already"), Arrival::Ignored)
-            }
-            Some((client, key, created_at, _)) => {
-                let in_flight = IdempotencyKey::parse(key).ok().map(|key| InFlight {
-                    key: ScopedKey::new(ClientId::new(*client), key),
-                    created_at: millis(*created_at),
-                });
-                ("pending", None, Arrival::Pending(in_flight))
-            }
+        let arrival = named
+            .map_or(Arrival::Unknown("no instruction of this ledger has this key"), |named| named.arrival(message));
+        let (state, note) = match &arrival {
+            Arrival::Pending(_) => ("pending", None),
+            Arrival::Ignored => ("ignored", Some("the outcome was recorded already")),
+            Arrival::Unknown(why) => ("unknown", Some(*why)),
+            Arrival::Duplicate | Arrival::Conflicting => unreachable!("decided below"),
         };
         let kept = sqlx::query(
             "INSERT INTO inbox (rail, message_id, kind, derived_key, body, state, note) VALUES ($1, $2, $3, $4, $5, $6, $7)
@@ -112,7 +167,16 @@ impl Ledger {
         .bind(note)
         .execute(&self.pool)
         .await?;
-        Ok(if kept.rows_affected() == 0 { Arrival::Duplicate } else { arrival })
+        if kept.rows_affected() == 1 {
+            return Ok(arrival);
+        }
+        let first: Option<serde_json::Value> =
+            sqlx::query_scalar("SELECT body FROM inbox WHERE rail = $1 AND message_id = $2")
+                .bind(&message.rail)
+                .bind(&message.id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(if first.as_ref() == Some(&message.body) { Arrival::Duplicate } else { Arrival::Conflicting })
     }
 
     /// The verdict a notification brought for the instruction sent under
@@ -131,23 +195,34 @@ impl Ledger {
     }
 
     /// Ends verdicts that wait for an outcome recorded meanwhile (they
-    /// arrived as it was being recorded, too late to be marked by it).
+    /// arrived as it was being recorded, too late to be marked by it), and
+    /// keeps for the reconciler those nobody took up within an hour (their
+    /// request moved to another region, or its key is gone).
     pub async fn end_overtaken_verdicts(&self) -> Result<u64, LedgerError> {
-        let done = sqlx::query(
-            "UPDATE inbox i SET state = 'ignored', note = 'the outcome was recorded already', applied_at = now()
+        let overtaken = sqlx::query(
+            "UPDATE inbox i SET applied_at = now(),
+                    state = CASE WHEN (i.kind = 'applied') = (c.outcome = 'done') THEN 'ignored' ELSE 'unknown' END,
+                    note = CASE WHEN (i.kind = 'applied') = (c.outcome = 'done') THEN 'the outcome was recorded already'
+                                ELSE 'it contradicts the outcome recorded' END
                FROM external_calls c
               WHERE c.derived_key = i.derived_key AND i.state = 'pending' AND i.kind <> 'returned'
                 AND c.outcome IN ('done', 'declined')",
         )
         .execute(&self.pool)
         .await?;
-        Ok(done.rows_affected())
+        let stale = sqlx::query(
+            "UPDATE inbox SET state = 'unknown', note = 'nobody took it up within an hour'
+              WHERE state = 'pending' AND kind <> 'returned' AND received_at < now() - interval '1 hour'",
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(overtaken.rows_affected() + stale.rows_affected())
     }
 
     /// Every message that named no instruction of this ledger, oldest first.
     pub async fn unmatched(&self) -> Result<Vec<Unmatched>, LedgerError> {
         Ok(sqlx::query_as(
-            "SELECT rail, message_id, kind, body->>'idempotency_key' AS idempotency_key, received_at
+            "SELECT rail, message_id, kind, body->>'idempotency_key' AS idempotency_key, note, received_at
                FROM inbox WHERE state = 'unknown' ORDER BY received_at LIMIT 1000",
         )
         .fetch_all(&self.pool)
@@ -156,33 +231,41 @@ impl Ledger {
 
     /// Requests with a verdict waiting in the inbox, oldest first.
     pub async fn notified_in_flight(&self, limit: i64) -> Result<Vec<InFlight>, LedgerError> {
-        let rows: Vec<(Uuid, String, time::OffsetDateTime)> = sqlx::query_as(
-            "SELECT DISTINCT c.client_id, c.idem_key, c.request_created_at
-               FROM inbox i JOIN external_calls c ON c.derived_key = i.derived_key
-              WHERE i.state = 'pending' AND i.kind <> 'returned' LIMIT $1",
+        let rows: Vec<(Uuid, String, time::OffsetDateTime, Uuid)> = sqlx::query_as(
+            "SELECT c.client_id, c.idem_key, c.request_created_at, r.payment_id
+               FROM inbox i
+               JOIN external_calls c ON c.derived_key = i.derived_key
+               JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
+              WHERE i.state = 'pending' AND i.kind <> 'returned' AND c.outcome IN ('sent', 'unknown', 'indeterminate')
+              GROUP BY c.client_id, c.idem_key, c.request_created_at, r.payment_id
+              ORDER BY min(i.received_at) LIMIT $1",
         )
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
             .into_iter()
-            .filter_map(|(client, key, created_at)| {
+            .filter_map(|(client, key, created_at, payment_id)| {
                 Some(InFlight {
                     key: ScopedKey::new(ClientId::new(client), IdempotencyKey::parse(&key).ok()?),
                     created_at: millis(created_at),
+                    payment_id,
                 })
             })
             .collect())
     }
 
-    /// Returns waiting to be applied, oldest first.
+    /// Returns whose payment is no longer in flight (so they can take
+    /// effect, or be found to have none), oldest first. Those of payments
+    /// still being worked wait, without holding up the others.
     pub async fn pending_returns(&self, limit: i64) -> Result<Vec<PendingReturn>, LedgerError> {
         let rows: Vec<(String, String, serde_json::Value, Uuid)> = sqlx::query_as(
             "SELECT i.rail, i.message_id, i.body, r.payment_id
                FROM inbox i
                JOIN external_calls c ON c.derived_key = i.derived_key
                JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
-              WHERE i.state = 'pending' AND i.kind = 'returned'
+               JOIN payments p ON p.id = r.payment_id
+              WHERE i.state = 'pending' AND i.kind = 'returned' AND p.status NOT IN ('pending', 'indeterminate')
               ORDER BY i.received_at LIMIT $1",
         )
         .bind(limit)

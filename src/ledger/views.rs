@@ -177,6 +177,13 @@ impl Ledger {
 }
 
 async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fence) -> Result<(), LedgerError> {
+    // The payment is locked before its postings are summed, so a return
+    // applied meanwhile (which locks it too) is either all in the sum or
+    // waits and then finds the payment voided.
+    sqlx::query("SELECT 1 FROM payments WHERE id = $1 FOR UPDATE")
+        .bind(request.payment_id)
+        .execute(&mut *phase.conn())
+        .await?;
     let totals: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT account, currency, sum(amount_minor)::bigint FROM postings WHERE payment_id = $1
           GROUP BY account, currency HAVING sum(amount_minor) <> 0 ORDER BY account",

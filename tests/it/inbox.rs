@@ -235,3 +235,60 @@ async fn a_notification_for_nothing_of_ours_is_kept_and_an_unsigned_one_refused(
     let mangled = json!({ "type": "instruction.applied", "id": "evt_e2_1" });
     assert_eq!(post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now, &mangled).await, StatusCode::BAD_REQUEST);
 }
+
+/// Only the payment rail returns a payment, and only as it was sent: a
+/// return posted as screening's (even of screening's own instruction), or
+/// of another amount, is kept for the reconciler and changes nothing. A
+/// region declared failed takes nothing in; an id reused with another body
+/// is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_payment_rail_returns_a_payment_and_only_as_it_was_sent() {
+    let app = quiet_app().await;
+    let paid = app.pay("kept", &payment("E2E-KEPT")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
+    let location = paid.headers()["location"].to_str().unwrap().to_owned();
+    let (screened, instructed) = (app.e1.statement().await.remove(0), app.e2.statement().await.remove(0));
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let returned = |id: &str, key: &str, amount: i64| {
+        json!({ "type": "instruction.returned", "id": id, "returned": {
+            "idempotency_key": key, "end_to_end_id": "E2E-KEPT", "amount_minor": amount, "currency": "EUR",
+            "reason_code": "AC04", "returned_at": "2026-12-01T00:00:00Z",
+        }})
+    };
+    for (rail, id, key, amount) in [
+        ("e1", "evt_1", &instructed.idempotency_key, 1250),
+        ("e1", "evt_2", &screened.idempotency_key, 1250),
+        ("e2", "evt_3", &instructed.idempotency_key, 1000),
+    ] {
+        let notice = returned(id, key, amount);
+        assert_eq!(post_notice(&app, rail, RAIL_NOTIFY_SECRET, now, &notice).await, StatusCode::OK, "{id}");
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
+    assert_eq!(shown["status"], "succeeded", "not returned by any of them");
+    assert_eq!(inbox_states(&app).await, [("returned".to_owned(), "unknown".to_owned(), 3)]);
+    let report = crate::reconcile::reconcile(&app, false).await;
+    let notes: Vec<String> = report.unmatched_notifications.iter().filter_map(|n| n.note.clone()).collect();
+    assert_eq!(notes.len(), 3, "{notes:?}");
+
+    // The same id again with another body: acknowledged, and the first kept.
+    let reused = returned("evt_3", &instructed.idempotency_key, 1250);
+    assert_eq!(post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now, &reused).await, StatusCode::OK);
+    let kept: Value = sqlx::query_scalar("SELECT body FROM inbox WHERE message_id = 'evt_3'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(kept["amount_minor"], 1000);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
+    assert_eq!(shown["status"], "succeeded");
+
+    app.db.ledger.set_region_fence(true, "test-1", 1, "drill").await.unwrap();
+    let late = returned("evt_4", &instructed.idempotency_key, 1250);
+    assert_eq!(
+        post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now, &late).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a region declared failed takes nothing in"
+    );
+    assert_eq!(app.count("inbox").await, 3);
+}

@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use crate::rail::Notice;
-use crate::webhooks::Secret;
-use crate::webhooks::signature;
+use crate::webhooks::{Secret, signature};
 use backon::{ExponentialBuilder, Retryable};
 
 /// Where and how the rail posts its notifications.
@@ -30,17 +29,20 @@ pub struct Notifier {
     http: reqwest::Client,
     numbered: AtomicU64,
     rail: String,
+    /// Names this run, so a restarted simulator's ids are new ones.
+    run: String,
 }
 
 impl Notifier {
     pub fn new(rail: &str, callback: Callback) -> Arc<Self> {
         let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("a plain HTTP client");
-        Arc::new(Self { callback, http, numbered: AtomicU64::new(0), rail: rail.to_owned() })
+        let run = format!("{:08x}", fastrand::u32(..));
+        Arc::new(Self { callback, http, numbered: AtomicU64::new(0), rail: rail.to_owned(), run })
     }
 
     /// A fresh notification id.
     pub fn next_id(&self) -> String {
-        format!("evt_{}_{:08}", self.rail, self.numbered.fetch_add(1, Ordering::Relaxed) + 1)
+        format!("evt_{}_{}_{:08}", self.rail, self.run, self.numbered.fetch_add(1, Ordering::Relaxed) + 1)
     }
 
     /// Posts `notice` in the background: after up to `delay` at random,
