@@ -42,6 +42,7 @@ pub mod inbox;
 pub mod keystore;
 pub mod ledger;
 pub mod metrics;
+pub mod operations;
 pub mod rail;
 pub mod reconcile;
 pub mod recovery;

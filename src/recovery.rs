@@ -24,9 +24,10 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::domain::Millis;
-use crate::engine::{Answer, Engine, EngineError, PaymentOperation, Recovery};
+use crate::engine::{Answer, Engine, EngineError, Recovery};
 use crate::keystore::{INFLIGHT_SHARDS, KeyStore, StaleKey};
 use crate::ledger::external::Indeterminate;
+use crate::operations::PaymentOperation;
 
 /// Requests resumed at once by one sweep.
 const PARALLEL: usize = 8;

@@ -18,6 +18,7 @@ use crate::http::{AppState, Peers, RegionSecret, Throttle, admin_router, router,
 use crate::inbox::RailSecrets;
 use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
+use crate::operations::{PAYMENT_RAIL, SCREENING};
 use crate::rail::RailClient;
 use crate::regions::{RegionStore, RegionView};
 use crate::webhooks::deliveries::Deliveries;
@@ -121,10 +122,10 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
     let keys = DynamoKeyStore::new(client, config.keys.table.clone());
     let ledger = Ledger::connect(&config.ledger).await?;
     let r = &config.rails;
-    let rails = Rails {
-        screening: RailClient::new("screening", &r.e1_url, r.rail_timeout, r.rail_attempts),
-        payment: RailClient::new("payment", &r.e2_url, r.rail_timeout, r.rail_attempts),
-    };
+    let rails = Rails::new([
+        RailClient::new(SCREENING, &r.e1_url, r.rail_timeout, r.rail_attempts),
+        RailClient::new(PAYMENT_RAIL, &r.e2_url, r.rail_timeout, r.rail_attempts),
+    ]);
     let work = &config.work;
     let engine_settings = EngineSettings {
         region: work.region.clone(),

@@ -1,6 +1,6 @@
 //! Derived keys: the idempotency key each external step presents,
 //! `uuid5(namespace, "{client_id}:{key}:{claim}:{step}")`, where `claim` is
-//! the payment id fixed when the key was first claimed (and kept on the key
+//! the id fixed when the key was first claimed (and kept on the key
 //! item). Deterministic, so a resumed attempt presents exactly the key the
 //! dead one used and the external system treats it as a replay; unique per
 //! claim, so a client key reused after its retention never collides with

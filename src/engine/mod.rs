@@ -13,11 +13,11 @@ mod derived_key;
 mod error;
 mod lease;
 mod operation;
-mod payment;
 mod recover;
 mod run;
 mod submit;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use uuid::Uuid;
@@ -29,24 +29,23 @@ use crate::regions::RegionView;
 
 pub use derived_key::derived_key;
 pub use error::{Cause, EngineError, Fenced};
-pub use operation::{ExternalStep, Operation, Rail, Step, StepContext};
-pub use payment::{PaymentOperation, ReturnEffect, apply_return};
+pub use operation::{ExternalStep, Operation, Step, StepContext};
 pub use recover::Recovery;
 pub use submit::Submission;
 
-/// The external systems an operation can call.
+/// The external systems operations call, by the names their steps give
+/// them ([`ExternalStep::rail`]).
 #[derive(Clone, Debug)]
-pub struct Rails {
-    pub screening: RailClient,
-    pub payment: RailClient,
-}
+pub struct Rails(BTreeMap<&'static str, RailClient>);
 
 impl Rails {
-    fn get(&self, rail: Rail) -> &RailClient {
-        match rail {
-            Rail::Screening => &self.screening,
-            Rail::Payment => &self.payment,
-        }
+    /// Each client under its own name.
+    pub fn new(clients: impl IntoIterator<Item = RailClient>) -> Self {
+        Self(clients.into_iter().map(|client| (client.name(), client)).collect())
+    }
+
+    fn get(&self, rail: &str) -> Result<&RailClient, EngineError> {
+        self.0.get(rail).ok_or_else(|| EngineError::Fault(format!("no rail named {rail} is configured")))
     }
 }
 

@@ -5,8 +5,8 @@
 //! phase `FINISHED`, which returns the final answer. An external system may
 //! also decline; then the operation's `declined` phase undoes what earlier
 //! steps reserved and returns the final answer instead, and no later step
-//! runs. A payment is one operation; a refund or payout would be another,
-//! with no engine change.
+//! runs. Operations live outside the engine (`crate::operations`), and name
+//! the rails they call; the engine knows them only through this trait.
 
 use std::future::Future;
 
@@ -17,20 +17,12 @@ use crate::domain::{Fence, RecoveryPoint, StoredResponse};
 use crate::ledger::RequestRecord;
 use crate::rail::{Declined, Instruction};
 
-/// Which external system a step calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rail {
-    /// E1: screening and authorisation.
-    Screening,
-    /// E2: the payment rail.
-    Payment,
-}
-
 #[derive(Debug, Clone)]
 pub struct ExternalStep {
     /// Names the step in derived keys and call records; never change it.
     pub name: &'static str,
-    pub rail: Rail,
+    /// The external system it calls, by the name its client has in [`super::Rails`].
+    pub rail: &'static str,
     pub sent: RecoveryPoint,
     pub done: RecoveryPoint,
 }

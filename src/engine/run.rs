@@ -1,7 +1,7 @@
 //! The resume loop. From the request's recovery point it runs one ledger
 //! transaction per stretch of work: the outcome of the external call just
 //! made, the local phases that follow, and the intent of the next call (or
-//! the final answer), so a payment with two external calls takes three
+//! the final answer), so an operation with two external calls takes three
 //! transactions while every recovery point is still recorded. Between
 //! transactions it calls the external system with the step's derived key.
 //!
@@ -238,7 +238,7 @@ impl<K: KeyStore> Engine<K> {
     ) -> Result<Settled, EngineError> {
         attempt.keep_alive(&self.keys, self.settings.lease).await?;
         let key = wire_key(attempt, ext);
-        match self.rails.get(ext.rail).send(&key, &instruction(op, attempt, ext)).await {
+        match self.rails.get(ext.rail)?.send(&key, &instruction(op, attempt, ext)).await {
             CallOutcome::Settled(verdict) => {
                 failpoint::boundary(|| format!("after-call:{}", ext.name));
                 Ok(Settled::Verdict(verdict))
@@ -264,7 +264,7 @@ impl<K: KeyStore> Engine<K> {
         if let Some(verdict) = self.notified(attempt, ext, &key, &sent).await? {
             return Ok(Settled::Verdict(verdict));
         }
-        match self.rails.get(ext.rail).probe(&key, &sent).await {
+        match self.rails.get(ext.rail)?.probe(&key, &sent).await {
             ProbeOutcome::Found(verdict) => Ok(Settled::Verdict(verdict)),
             ProbeOutcome::NotFound => self.call(op, attempt, ext).await,
             ProbeOutcome::Unknown(why) => self.park(op, attempt, ext, &why).await,

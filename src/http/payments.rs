@@ -21,8 +21,9 @@ use super::signed::is_forwarded;
 use super::{ApiError, AppState};
 use crate::clients::{Profile, Refusal};
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
-use crate::engine::{Answer, EngineError, PaymentOperation, Submission};
+use crate::engine::{Answer, EngineError, Submission};
 use crate::keystore::KeyStore;
+use crate::operations::PaymentOperation;
 
 const PATH: &str = "/v1/payments";
 

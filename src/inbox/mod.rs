@@ -25,10 +25,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::domain::Millis;
-use crate::engine::{Engine, EngineError, PaymentOperation, ReturnEffect, apply_return as apply_payment_return};
+use crate::engine::{Engine, EngineError};
 use crate::keystore::{KeyState, KeyStore, StaleKey};
 use crate::ledger::LedgerError;
 use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
+use crate::operations::{PaymentOperation, ReturnEffect, apply_return as apply_payment_return};
 use crate::rail::{Notice, Returned};
 
 /// The secret each rail signs its notifications with, by the name in its

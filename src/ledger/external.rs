@@ -113,20 +113,16 @@ pub async fn mark_indeterminate(
     fence: Fence,
 ) -> Result<(), LedgerError> {
     sqlx::query(
-        "UPDATE external_calls SET outcome = 'indeterminate'
+        "UPDATE external_calls SET outcome = 'indeterminate', fence = $5
           WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
     )
     .bind(request.key.client.as_uuid())
     .bind(request.key.key.as_str())
     .bind(timestamp(request.created_at))
     .bind(step)
+    .bind(fence_param(fence))
     .execute(&mut *conn)
     .await?;
-    sqlx::query("UPDATE payments SET status = 'indeterminate', fence = $2, updated_at = now() WHERE id = $1")
-        .bind(request.payment_id)
-        .bind(fence_param(fence))
-        .execute(conn)
-        .await?;
     Ok(())
 }
 

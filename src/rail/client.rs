@@ -55,6 +55,11 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
 impl RailClient {
     /// A client whose every attempt is cut off after `timeout`.
+    /// The name operations call it by.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
     pub fn new(name: &'static str, base: &str, timeout: Duration, attempts: u32) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)

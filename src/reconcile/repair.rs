@@ -18,9 +18,10 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::domain::{Millis, Owner, RecoveryPoint};
-use crate::engine::{Answer, Engine, EngineError, PaymentOperation, Recovery};
+use crate::engine::{Answer, Engine, EngineError, Recovery};
 use crate::keystore::{KeyItem, KeyState, KeyStore, KeyStoreError, StaleKey};
 use crate::ledger::views::LedgerView;
+use crate::operations::PaymentOperation;
 
 use super::{Class, Found};
 

@@ -8,8 +8,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
-use keyfence::engine::{Answer, Engine, EngineSettings, PaymentOperation, Rails, Submission};
+use keyfence::engine::{Answer, Engine, EngineSettings, Rails, Submission};
 use keyfence::keystore::{Claim, Finish, Handoff, Holder, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
+use keyfence::operations::PaymentOperation;
 use keyfence::rail::RailClient;
 use keyfence::regions::{RegionStore, RegionView};
 use keyfence::startup::REGION_VIEW_AGE;
@@ -121,10 +122,10 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
     let db = TestLedger::new().await;
     let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
     let counting = Counting { inner: keys.store.clone(), calls: Mutex::default() };
-    let rails = Rails {
-        screening: RailClient::new("screening", &e1.url, Duration::from_secs(2), 3),
-        payment: RailClient::new("payment", &e2.url, Duration::from_secs(2), 3),
-    };
+    let rails = Rails::new([
+        RailClient::new("screening", &e1.url, Duration::from_secs(2), 3),
+        RailClient::new("payment", &e2.url, Duration::from_secs(2), 3),
+    ]);
     let settings = EngineSettings {
         region: "test-1".into(),
         instance: "test".into(),

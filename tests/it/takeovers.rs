@@ -7,8 +7,9 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use keyfence::domain::{Fence, Millis};
-use keyfence::engine::{EngineError, PaymentOperation};
+use keyfence::engine::EngineError;
 use keyfence::keystore::{KeyStore, StaleKey};
+use keyfence::operations::PaymentOperation;
 use keyfence::startup::build_engine;
 
 use crate::app::spawn_app;

@@ -138,10 +138,10 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> anyh
     let engine = Engine::new(
         keys.clone(),
         ledger.clone(),
-        Rails {
-            screening: RailClient::new("screening", &e1, Duration::from_secs(2), 3),
-            payment: RailClient::new("payment", &e2, Duration::from_secs(2), 3),
-        },
+        Rails::new([
+            RailClient::new("screening", &e1, Duration::from_secs(2), 3),
+            RailClient::new("payment", &e2, Duration::from_secs(2), 3),
+        ]),
         RegionView::new(RegionStore::new(client.clone(), keys_settings.table.clone()), REGION_VIEW_AGE),
         EngineSettings {
             region: stores.region.to_owned(),

@@ -11,8 +11,8 @@
 //! (the hold, or clearing), marks the payment `rejected` with the reason,
 //! queues `payment.rejected`, and builds the final answer: 402 problem+json.
 //! A payment whose outcome at a system stays unknown so long it is listed
-//! for settlement queues `payment.indeterminate` (and, once settled, one of
-//! the two above).
+//! for settlement is marked `indeterminate` and queues
+//! `payment.indeterminate` (and, once settled, one of the two above).
 //!
 //! Every entry posts two legs that cancel, so each payment's postings sum
 //! to zero.
@@ -25,7 +25,8 @@ use crate::ledger::{RequestRecord, external};
 use crate::rail::{Applied, Declined, Instruction};
 use crate::webhooks;
 
-use super::{EngineError, ExternalStep, Operation, Rail, Step, StepContext};
+use super::{PAYMENT_RAIL, SCREENING};
+use crate::engine::{EngineError, ExternalStep, Operation, Step, StepContext};
 
 const H1_DONE: RecoveryPoint = RecoveryPoint::named("H1_DONE");
 const H2_DONE: RecoveryPoint = RecoveryPoint::named("H2_DONE");
@@ -34,14 +35,14 @@ static STEPS: [Step; 5] = [
     Step::Local(H1_DONE),
     Step::External(ExternalStep {
         name: "ext1",
-        rail: Rail::Screening,
+        rail: SCREENING,
         sent: RecoveryPoint::named("EXT1_SENT"),
         done: RecoveryPoint::named("EXT1_DONE"),
     }),
     Step::Local(H2_DONE),
     Step::External(ExternalStep {
         name: "ext2",
-        rail: Rail::Payment,
+        rail: PAYMENT_RAIL,
         sent: RecoveryPoint::named("EXT2_SENT"),
         done: RecoveryPoint::named("EXT2_DONE"),
     }),
@@ -91,10 +92,7 @@ impl PaymentOperation {
     /// Where the funds wait while `step` is asked: the hold before screening,
     /// clearing before the rail.
     fn funds_awaiting(&self, step: &ExternalStep) -> String {
-        match step.rail {
-            Rail::Screening => self.hold_account(),
-            Rail::Payment => CLEARING.to_owned(),
-        }
+        if step.rail == SCREENING { self.hold_account() } else { CLEARING.to_owned() }
     }
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
@@ -191,10 +189,7 @@ async fn queue(
 /// The final answer of a declined payment: RFC 9457 problem+json, with the
 /// reason code and the payment's id so the client can look it up.
 fn declined_answer(payment_id: uuid::Uuid, step: &ExternalStep, declined: &Declined) -> StoredResponse {
-    let by = match step.rail {
-        Rail::Screening => "screening",
-        Rail::Payment => "the payment rail",
-    };
+    let by = if step.rail == SCREENING { "screening" } else { "the payment rail" };
     let body = serde_json::json!({
         "type": "urn:keyfence:problem:payment-declined",
         "title": "Payment declined",
@@ -267,7 +262,7 @@ impl Operation for PaymentOperation {
     }
 
     async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
-        let payment = payments::current(cx.conn, cx.request.payment_id).await?;
+        let payment = payments::set_status(cx.conn, cx.request.payment_id, "indeterminate", None, cx.fence).await?;
         queue_event(cx, &payment, "payment.indeterminate").await
     }
 
