@@ -18,6 +18,7 @@ mod deploy;
 mod drill;
 mod emulator;
 mod engine_costs;
+mod example_payout;
 mod expiry;
 mod failover;
 mod fair_use;

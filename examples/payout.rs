@@ -1,0 +1,234 @@
+//! A third operation, written outside the crate: a payout to a beneficiary,
+//! worked by keyfence's engine against the real stores (DynamoDB through
+//! the key table, PostgreSQL through the ledger, a rail over HTTP). The
+//! payout keeps a table of its own beside the ledger's and calls a rail it
+//! names itself; the engine supplies what every such operation needs: the
+//! claim and its fence, phases that commit with the recovery point, the
+//! derived key at the rail, and the answer every retry gets.
+//!
+//! With the local services up (`scripts/services`, and the environment
+//! `scripts/test` sets: `AWS_ENDPOINT_URL`, `DATABASE_URL`):
+//!
+//! ```sh
+//! cargo run --example payout
+//! ```
+//!
+//! It makes a key table and a database of its own, pays out once under one
+//! key from two engines at once and again later, and checks that the rail
+//! saw one instruction and every caller got the same bytes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use keyfence::config::{KeyStoreSettings, LedgerSettings};
+use keyfence::domain::{
+    ClientId, IdempotencyKey, ProbeBackoff, RecoveryPoint, RequestHash, Retention, ScopedKey, StoredResponse,
+};
+use keyfence::engine::{
+    Answer, Engine, EngineError, EngineSettings, ExternalStep, Operation, Rails, Step, StepContext,
+};
+use keyfence::keystore::{self, DynamoKeyStore};
+use keyfence::ledger::{Ledger, external};
+use keyfence::rail::{Applied, Declined, Instruction, RailClient, sim};
+use keyfence::regions::{RegionStore, RegionView};
+use serde::{Deserialize, Serialize};
+
+/// The rail payouts go out on, by the name this operation gives it.
+const PAYOUT_RAIL: &str = "payouts";
+
+const RECORDED: RecoveryPoint = RecoveryPoint::named("PAYOUT_RECORDED");
+
+static STEPS: [Step; 3] = [
+    Step::Local(RECORDED),
+    Step::External(ExternalStep {
+        name: "payout",
+        rail: PAYOUT_RAIL,
+        sent: RecoveryPoint::named("PAYOUT_SENT"),
+        done: RecoveryPoint::named("PAYOUT_DONE"),
+    }),
+    Step::Local(RecoveryPoint::FINISHED),
+];
+
+/// What a caller asks for.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Payout {
+    beneficiary: String,
+    amount_minor: i64,
+    currency: String,
+    reference: String,
+}
+
+impl Operation for Payout {
+    fn name(&self) -> &'static str {
+        "payout"
+    }
+
+    fn steps(&self) -> &'static [Step] {
+        &STEPS
+    }
+
+    async fn local(
+        &self,
+        point: &RecoveryPoint,
+        cx: &mut StepContext<'_>,
+    ) -> Result<Option<StoredResponse>, EngineError> {
+        let fault = |e: sqlx::Error| EngineError::Fault(e.to_string());
+        if *point == RECORDED {
+            sqlx::query(
+                "INSERT INTO example_payouts (id, beneficiary, amount_minor, currency, status)
+                 VALUES ($1, $2, $3, $4, 'recorded')",
+            )
+            .bind(cx.request.payment_id)
+            .bind(&self.beneficiary)
+            .bind(self.amount_minor)
+            .bind(&self.currency)
+            .execute(&mut *cx.conn)
+            .await
+            .map_err(fault)?;
+            return Ok(None);
+        }
+        let result = external::outcome_of(cx.conn, cx.request, "payout")
+            .await?
+            .ok_or_else(|| EngineError::Fault("the payout has no recorded outcome".into()))?;
+        let applied: Applied = serde_json::from_value(result).map_err(|e| EngineError::Fault(e.to_string()))?;
+        sqlx::query("UPDATE example_payouts SET status = 'paid' WHERE id = $1")
+            .bind(cx.request.payment_id)
+            .execute(&mut *cx.conn)
+            .await
+            .map_err(fault)?;
+        let body =
+            serde_json::json!({ "id": cx.request.payment_id, "status": "paid", "rail_reference": applied.reference });
+        Ok(Some(answer(201, &body)))
+    }
+
+    async fn declined(
+        &self,
+        _step: &ExternalStep,
+        declined: &Declined,
+        cx: &mut StepContext<'_>,
+    ) -> Result<StoredResponse, EngineError> {
+        sqlx::query("UPDATE example_payouts SET status = 'declined' WHERE id = $1")
+            .bind(cx.request.payment_id)
+            .execute(&mut *cx.conn)
+            .await
+            .map_err(|e| EngineError::Fault(e.to_string()))?;
+        Ok(answer(402, &serde_json::json!({ "id": cx.request.payment_id, "reason": declined.reason_code })))
+    }
+
+    async fn indeterminate(&self, _step: &ExternalStep, _cx: &mut StepContext<'_>) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    fn instruction(&self, _step: &ExternalStep) -> Instruction {
+        Instruction {
+            originator: String::new(),
+            end_to_end_id: self.reference.clone(),
+            amount_minor: self.amount_minor,
+            currency: self.currency.clone(),
+            debtor_account: "payouts:float".into(),
+            creditor_account: self.beneficiary.clone(),
+        }
+    }
+}
+
+fn answer(status: u16, body: &serde_json::Value) -> StoredResponse {
+    let headers = BTreeMap::from([("content-type".to_owned(), "application/json".to_owned())]);
+    StoredResponse { status, headers, body: body.to_string().into_bytes() }
+}
+
+/// An engine of this example's own over the given stores.
+fn engine(keys: &DynamoKeyStore, ledger: &Ledger, rail: &str, instance: &str) -> Engine<DynamoKeyStore> {
+    let regions = RegionView::new(RegionStore::new(keys.client().clone(), keys.table()), Duration::from_secs(1));
+    let settings = EngineSettings {
+        region: "example-1".into(),
+        instance: instance.into(),
+        lease: Duration::from_secs(10),
+        retention: Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
+        max_unknown_attempts: 5,
+        probe_backoff: ProbeBackoff { first: Duration::from_millis(100), max: Duration::from_secs(1) },
+    };
+    let rails = Rails::new([RailClient::new(PAYOUT_RAIL, rail, Duration::from_secs(2), 3)]);
+    Engine::new(keys.clone(), ledger.clone(), rails, regions, settings)
+}
+
+#[tokio::main]
+pub async fn main() -> anyhow::Result<()> {
+    // The stores: a key table and a database of this example's own.
+    let mut key_settings = KeyStoreSettings::from_env()?;
+    key_settings.table = "keyfence-example-payout".into();
+    let client = keystore::connect(&key_settings).await.context("reaching DynamoDB (AWS_ENDPOINT_URL)")?;
+    keystore::ensure_table(&client, &key_settings.table).await?;
+    let keys = DynamoKeyStore::new(client, key_settings.table.clone());
+    let mut ledger_settings = LedgerSettings::from_env()?;
+    ledger_settings.database_url = ledger_settings.database_url.with_database("keyfence_example_payout");
+    let (ledger, _) = Ledger::migrate(&ledger_settings).await.context("reaching PostgreSQL (DATABASE_URL)")?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS example_payouts (
+            id uuid PRIMARY KEY, beneficiary text NOT NULL, amount_minor bigint NOT NULL,
+            currency char(3) NOT NULL, status text NOT NULL)",
+    )
+    .execute(ledger.pool())
+    .await?;
+
+    // The rail: the simulator, on a port of its own.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let rail = format!("http://{}", listener.local_addr()?);
+    let simulator = sim::Simulator::new("payouts", None);
+    tokio::spawn(sim::serve(listener, simulator, std::future::pending()));
+
+    // One payout, asked for by two callers at once under one key, then again.
+    let (first, second) = (Arc::new(engine(&keys, &ledger, &rail, "a")), engine(&keys, &ledger, &rail, "b"));
+    let payout = Payout {
+        beneficiary: "FR1420041010050500013M02606".into(),
+        amount_minor: 5000,
+        currency: "EUR".into(),
+        reference: format!("PAYOUT-{}", uuid::Uuid::new_v4().simple()),
+    };
+    let canonical = serde_json::to_vec(&payout)?;
+    let key = ScopedKey::new(ClientId::generate(), IdempotencyKey::parse("payout-1")?);
+    let submission = || keyfence::engine::Submission {
+        key: key.clone(),
+        request_hash: RequestHash::of("POST", "/payouts", &canonical),
+        canonical: canonical.clone(),
+        operation: payout.clone(),
+    };
+    let (a, b) = tokio::join!(first.submit(submission()), second.submit(submission()));
+    let mut answers = vec![a?, b?];
+    let final_answer = loop {
+        match first.submit(submission()).await? {
+            Answer::Final { response, .. } => break response,
+            Answer::InFlight { retry_after } => tokio::time::sleep(retry_after).await,
+            other => anyhow::bail!("the payout ended {other:?}"),
+        }
+    };
+    answers.push(Answer::Final { response: final_answer.clone(), replayed: true });
+
+    // What must hold: one instruction at the rail, one payout row, one answer.
+    let statement: Vec<Applied> = reqwest::get(format!("{rail}/v1/statement")).await?.json().await?;
+    let sent: Vec<&Applied> = statement.iter().filter(|a| a.end_to_end_id == payout.reference).collect();
+    ensure!(sent.len() == 1, "the rail saw {} instructions for one payout", sent.len());
+    let id: uuid::Uuid = serde_json::from_slice::<serde_json::Value>(&final_answer.body)?["id"]
+        .as_str()
+        .context("the answer names the payout")?
+        .parse()?;
+    let status: String = sqlx::query_scalar("SELECT status FROM example_payouts WHERE id = $1")
+        .bind(id)
+        .fetch_one(ledger.pool())
+        .await?;
+    ensure!(status == "paid", "the payout is recorded as paid, not {status}");
+    for answer in &answers {
+        if let Answer::Final { response, .. } = answer {
+            ensure!(response.body == final_answer.body, "every caller gets the same bytes");
+        }
+    }
+    println!(
+        "payout {}: {} at the rail ({}), {} callers, one instruction",
+        payout.reference,
+        String::from_utf8_lossy(&final_answer.body),
+        sent[0].reference,
+        answers.len()
+    );
+    Ok(())
+}
