@@ -46,6 +46,17 @@ pub struct InFlight {
     pub payment_id: Uuid,
 }
 
+impl InFlight {
+    /// The request named by a ledger row's columns; `None` if its key does not read.
+    fn of(client: Uuid, key: &str, created_at: time::OffsetDateTime, payment_id: Uuid) -> Option<Self> {
+        Some(Self {
+            key: ScopedKey::new(ClientId::new(client), IdempotencyKey::parse(key).ok()?),
+            created_at: millis(created_at),
+            payment_id,
+        })
+    }
+}
+
 /// A message that names no instruction of this ledger, or could not take
 /// effect here, kept for the reconciler (and a person: the rail may hold a
 /// payment keyfence lost, or disagree with it).
@@ -110,13 +121,7 @@ impl Named {
         if self.status.as_deref() == Some("voided") {
             return Arrival::Unknown("this ledger holds a leftover; the payment's live copy is in another region");
         }
-        let in_flight = || {
-            IdempotencyKey::parse(&self.idem_key).ok().map(|key| InFlight {
-                key: ScopedKey::new(ClientId::new(self.client_id), key),
-                created_at: millis(self.request_created_at),
-                payment_id: self.payment_id,
-            })
-        };
+        let in_flight = || InFlight::of(self.client_id, &self.idem_key, self.request_created_at, self.payment_id);
         match (message.kind, self.outcome.as_str()) {
             ("returned", _) if self.step != "ext2" => Arrival::Unknown("only the payment rail returns"),
             ("applied", "done") | ("declined", "declined") => Arrival::Ignored,
@@ -245,13 +250,7 @@ impl Ledger {
         .await?;
         Ok(rows
             .into_iter()
-            .filter_map(|(client, key, created_at, payment_id)| {
-                Some(InFlight {
-                    key: ScopedKey::new(ClientId::new(client), IdempotencyKey::parse(&key).ok()?),
-                    created_at: millis(created_at),
-                    payment_id,
-                })
-            })
+            .filter_map(|(client, key, created_at, payment_id)| InFlight::of(client, &key, created_at, payment_id))
             .collect())
     }
 
