@@ -13,12 +13,12 @@
 //! cargo run --example payout
 //! ```
 //!
-//! It makes a key table and a database of its own, pays out once under one
-//! key from two engines at once and again later, and checks that the rail
-//! saw one instruction and every caller got the same bytes.
+//! It makes a key table (for the run) and a database of its own, submits
+//! one payout under one key from two engines at once and from a third
+//! later, and checks that exactly one worked it, the rail saw one
+//! instruction, one payout row was paid, and every caller got the same bytes.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -155,12 +155,13 @@ fn engine(keys: &DynamoKeyStore, ledger: &Ledger, rail: &str, instance: &str) ->
 
 #[tokio::main]
 pub async fn main() -> anyhow::Result<()> {
-    // The stores: a key table and a database of this example's own.
+    // The stores: a key table of this run's own (removed at the end) and a
+    // database of this example's own.
     let mut key_settings = KeyStoreSettings::from_env()?;
-    key_settings.table = "keyfence-example-payout".into();
+    key_settings.table = format!("keyfence-example-payout-{}", uuid::Uuid::new_v4().simple());
     let client = keystore::connect(&key_settings).await.context("reaching DynamoDB (AWS_ENDPOINT_URL)")?;
     keystore::ensure_table(&client, &key_settings.table).await?;
-    let keys = DynamoKeyStore::new(client, key_settings.table.clone());
+    let keys = DynamoKeyStore::new(client.clone(), key_settings.table.clone());
     let mut ledger_settings = LedgerSettings::from_env()?;
     ledger_settings.database_url = ledger_settings.database_url.with_database("keyfence_example_payout");
     let (ledger, _) = Ledger::migrate(&ledger_settings).await.context("reaching PostgreSQL (DATABASE_URL)")?;
@@ -171,15 +172,23 @@ pub async fn main() -> anyhow::Result<()> {
     )
     .execute(ledger.pool())
     .await?;
+    let checked = pay_out_once(&keys, &ledger).await;
+    client.delete_table().table_name(&key_settings.table).send().await?;
+    checked
+}
 
+/// Pays one payout out for two callers at once and a later retry, and
+/// checks what must hold.
+async fn pay_out_once(keys: &DynamoKeyStore, ledger: &Ledger) -> anyhow::Result<()> {
     // The rail: the simulator, on a port of its own.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let rail = format!("http://{}", listener.local_addr()?);
     let simulator = sim::Simulator::new("payouts", None);
     tokio::spawn(sim::serve(listener, simulator, std::future::pending()));
 
-    // One payout, asked for by two callers at once under one key, then again.
-    let (first, second) = (Arc::new(engine(&keys, &ledger, &rail, "a")), engine(&keys, &ledger, &rail, "b"));
+    // One payout, asked for by two callers at once under one key, then by
+    // a third that has seen nothing.
+    let (first, second) = (engine(keys, ledger, &rail, "a"), engine(keys, ledger, &rail, "b"));
     let payout = Payout {
         beneficiary: "FR1420041010050500013M02606".into(),
         amount_minor: 5000,
@@ -195,40 +204,47 @@ pub async fn main() -> anyhow::Result<()> {
         operation: payout.clone(),
     };
     let (a, b) = tokio::join!(first.submit(submission()), second.submit(submission()));
-    let mut answers = vec![a?, b?];
-    let final_answer = loop {
-        match first.submit(submission()).await? {
-            Answer::Final { response, .. } => break response,
-            Answer::InFlight { retry_after } => tokio::time::sleep(retry_after).await,
-            other => anyhow::bail!("the payout ended {other:?}"),
+    let (a, b) = (a?, b?);
+    let worked: Vec<&StoredResponse> = [&a, &b]
+        .into_iter()
+        .filter_map(|answer| match answer {
+            Answer::Final { response, replayed: false } => Some(response),
+            _ => None,
+        })
+        .collect();
+    ensure!(worked.len() == 1, "exactly one of two callers at once works the payout: {a:?} / {b:?}");
+    for answer in [&a, &b] {
+        match answer {
+            Answer::Final { response, .. } => ensure!(response == worked[0], "both callers get the same bytes"),
+            Answer::InFlight { .. } => {}
+            other => anyhow::bail!("a caller was answered {other:?}"),
         }
+    }
+    let third = engine(keys, ledger, &rail, "c");
+    let replayed = match third.submit(submission()).await? {
+        Answer::Final { response, replayed: true } => response,
+        other => anyhow::bail!("a later caller was answered {other:?}, not the stored answer"),
     };
-    answers.push(Answer::Final { response: final_answer.clone(), replayed: true });
+    ensure!(replayed == *worked[0], "a later caller gets the same bytes from the key store");
 
-    // What must hold: one instruction at the rail, one payout row, one answer.
+    // One instruction at the rail, one payout row, paid.
     let statement: Vec<Applied> = reqwest::get(format!("{rail}/v1/statement")).await?.json().await?;
     let sent: Vec<&Applied> = statement.iter().filter(|a| a.end_to_end_id == payout.reference).collect();
     ensure!(sent.len() == 1, "the rail saw {} instructions for one payout", sent.len());
-    let id: uuid::Uuid = serde_json::from_slice::<serde_json::Value>(&final_answer.body)?["id"]
+    let id: uuid::Uuid = serde_json::from_slice::<serde_json::Value>(&replayed.body)?["id"]
         .as_str()
         .context("the answer names the payout")?
         .parse()?;
-    let status: String = sqlx::query_scalar("SELECT status FROM example_payouts WHERE id = $1")
+    let rows: Vec<String> = sqlx::query_scalar("SELECT status FROM example_payouts WHERE id = $1")
         .bind(id)
-        .fetch_one(ledger.pool())
+        .fetch_all(ledger.pool())
         .await?;
-    ensure!(status == "paid", "the payout is recorded as paid, not {status}");
-    for answer in &answers {
-        if let Answer::Final { response, .. } = answer {
-            ensure!(response.body == final_answer.body, "every caller gets the same bytes");
-        }
-    }
+    ensure!(rows == ["paid"], "one payout row, paid: {rows:?}");
     println!(
-        "payout {}: {} at the rail ({}), {} callers, one instruction",
+        "payout {}: {} at the rail ({}), three callers, one instruction",
         payout.reference,
-        String::from_utf8_lossy(&final_answer.body),
+        String::from_utf8_lossy(&replayed.body),
         sent[0].reference,
-        answers.len()
     );
     Ok(())
 }

@@ -67,7 +67,8 @@ pub trait Operation: Send + Sync {
 
     /// The business writes when the outcome of external step `step` has
     /// stayed unknown so long it is listed for settlement, inside the phase
-    /// that first marks it so.
+    /// that marks it so: every park from then on (so they must be
+    /// idempotent), whatever the limit was when it was first reached.
     fn indeterminate(
         &self,
         step: &ExternalStep,

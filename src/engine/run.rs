@@ -329,10 +329,8 @@ impl<K: KeyStore> Engine<K> {
             metrics::counter!("keyfence_indeterminate_total", "step" => ext.name).increment(1);
             tracing::warn!(key = %attempt.record.key, step = ext.name, attempts, "outcome indeterminate; listed for settlement");
             external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, fence).await?;
-            if attempts == self.settings.max_unknown_attempts {
-                let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
-                op.indeterminate(ext, &mut cx).await?;
-            }
+            let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
+            op.indeterminate(ext, &mut cx).await?;
         }
         phase.commit().await?;
         self.hand_back(attempt).await;

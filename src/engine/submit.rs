@@ -34,6 +34,13 @@ impl<K: KeyStore> Engine<K> {
     #[tracing::instrument(skip_all, fields(key = %submission.key))]
     pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
         self.check_region().await?;
+        // A rail the operation names but this engine lacks is refused before
+        // anything is claimed, not after an intent is committed.
+        for step in submission.operation.steps() {
+            if let super::Step::External(ext) = step {
+                self.rails.get(ext.rail)?;
+            }
+        }
         let now = Millis::now();
         if let Some(known) = self.answers.recall(&submission.key, now, &self.settings.retention) {
             metrics::counter!("keyfence_replays_from_memory_total").increment(1);

@@ -54,12 +54,12 @@ pub struct RailClient {
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 
 impl RailClient {
-    /// A client whose every attempt is cut off after `timeout`.
     /// The name operations call it by.
     pub fn name(&self) -> &'static str {
         self.name
     }
 
+    /// A client whose every attempt is cut off after `timeout`.
     pub fn new(name: &'static str, base: &str, timeout: Duration, attempts: u32) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)

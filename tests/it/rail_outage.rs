@@ -64,3 +64,31 @@ async fn a_silent_rail_parks_the_payment_until_it_answers_again() {
     assert_eq!(app.count("payments").await, 1);
     assert_eq!(app.unbalanced_payments().await, 0);
 }
+
+/// A payment whose unknown outcomes passed the limit under another setting
+/// (a lower `KEYFENCE_MAX_UNKNOWN_ATTEMPTS` after a restart, an instance of
+/// a rolling deploy) is marked indeterminate at its next park all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payment_past_a_lowered_limit_is_marked_indeterminate_at_its_next_park() {
+    let app = spawn_app_with(|s| {
+        s.engine.work.lease = Duration::from_millis(1000);
+        s.engine.rails.rail_timeout = Duration::from_millis(300);
+        s.engine.rails.rail_attempts = 1;
+        s.recovery_interval_ms = 200;
+        s.engine.work.max_unknown_attempts = 3;
+    })
+    .await;
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    let first = app.pay("lowered-1", &payment("E2E-LOWERED")).await;
+    assert_eq!(first.status(), StatusCode::ACCEPTED);
+    let location = first.headers()["location"].to_str().unwrap().to_owned();
+    // Parked under a higher limit: more unknown outcomes than this one's.
+    sqlx::query("UPDATE external_calls SET attempts = 4 WHERE step = 'ext2'")
+        .execute(app.db.ledger.pool())
+        .await
+        .unwrap();
+    eventually("the payment is marked indeterminate", async || {
+        payment_status(&app, &location).await == "indeterminate"
+    })
+    .await;
+}
