@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
-use crate::keystore::{KeyState, KeyStore, StaleKey};
+use crate::keystore::{KeyState, KeyStore};
 use crate::ledger::LedgerError;
 use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
 use crate::operations::{PaymentOperation, ReturnEffect, apply_return as apply_payment_return};
@@ -148,14 +148,7 @@ pub async fn resume<K: KeyStore>(engine: &Engine<K>, in_flight: &InFlight) {
     if item.state != KeyState::Started || item.created_at != in_flight.created_at || item.lease_until > Millis::now() {
         return;
     }
-    let stale = StaleKey {
-        key: item.key.clone(),
-        fence: item.fence,
-        home_region: item.home_region.clone(),
-        lease_until: item.lease_until,
-        created_at: item.created_at,
-    };
-    if let Err(e) = engine.recover(&stale, PaymentOperation::from_canonical).await {
+    if let Err(e) = engine.recover(&item.stale(), PaymentOperation::from_canonical).await {
         tracing::warn!(key = %in_flight.key, error = %e, "could not resume a notified request");
     }
 }

@@ -97,6 +97,17 @@ pub struct KeyItem {
 }
 
 impl KeyItem {
+    /// The item as a recoverer takes it over: as seen now.
+    pub fn stale(&self) -> StaleKey {
+        StaleKey {
+            key: self.key.clone(),
+            fence: self.fence,
+            home_region: self.home_region.clone(),
+            lease_until: self.lease_until,
+            created_at: self.created_at,
+        }
+    }
+
     /// The item a successful claim creates.
     pub fn claimed(claim: &Claim) -> Self {
         Self {

@@ -208,13 +208,7 @@ impl KeyStore for MemoryKeyStore {
                 .filter(|(pk, item)| {
                     item.state == KeyState::Started && item.lease_until < now && inflight_shard(pk) == shard_name(shard)
                 })
-                .map(|(_, item)| StaleKey {
-                    key: item.key.clone(),
-                    fence: item.fence,
-                    home_region: item.home_region.clone(),
-                    lease_until: item.lease_until,
-                    created_at: item.created_at,
-                })
+                .map(|(_, item)| item.stale())
                 .collect()
         }))
     }

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::domain::{Millis, Owner, RecoveryPoint};
 use crate::engine::{Answer, Engine, EngineError, Recovery};
-use crate::keystore::{KeyItem, KeyState, KeyStore, KeyStoreError, StaleKey};
+use crate::keystore::{KeyItem, KeyState, KeyStore, KeyStoreError};
 use crate::ledger::views::LedgerView;
 use crate::operations::PaymentOperation;
 
@@ -173,14 +173,7 @@ async fn rebuild<K: KeyStore>(
 }
 
 async fn resume<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Acted, EngineError> {
-    let stale = StaleKey {
-        key: key.key.clone(),
-        fence: key.fence,
-        home_region: key.home_region.clone(),
-        lease_until: key.lease_until,
-        created_at: key.created_at,
-    };
-    Ok(match engine.recover(&stale, PaymentOperation::from_canonical).await {
+    Ok(match engine.recover(&key.stale(), PaymentOperation::from_canonical).await {
         Ok(Recovery::Resumed(Answer::Final { .. })) => Acted::Done("took it over and finished it".into()),
         Ok(Recovery::Resumed(Answer::Pending { .. })) => Acted::Unresolved(
             "took it over; the external outcome is still unknown (probed, parked, listed if indeterminate)".into(),

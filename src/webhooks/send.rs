@@ -27,13 +27,6 @@ pub enum Response {
     Unreachable(String),
 }
 
-/// The header values of one attempt.
-pub struct Signed<'a> {
-    pub webhook_id: &'a str,
-    pub timestamp: i64,
-    pub signature: String,
-}
-
 /// Sends deliveries; one per process, its connections reused.
 #[derive(Clone)]
 pub struct Sender {
@@ -55,8 +48,8 @@ impl Sender {
         Self { http, allow_private }
     }
 
-    /// POSTs `body` to `url`, signed.
-    pub async fn send(&self, url: &str, signed: Signed<'_>, body: Vec<u8>) -> Response {
+    /// POSTs `body` to `url` with its signature `headers` ([`super::signature::headers`]).
+    pub async fn send(&self, url: &str, headers: [(&'static str, String); 3], body: Vec<u8>) -> Response {
         // A literal address is never resolved, so it is checked here.
         let parsed = match reqwest::Url::parse(url) {
             Ok(parsed) => parsed,
@@ -65,16 +58,11 @@ impl Sender {
         if literal(&parsed).is_some_and(|ip| !self.allow_private && is_internal(ip)) {
             return Response::Unreachable("not a public address".into());
         }
-        let sent = self
-            .http
-            .post(parsed)
-            .header("content-type", "application/json")
-            .header("webhook-id", signed.webhook_id)
-            .header("webhook-timestamp", signed.timestamp.to_string())
-            .header("webhook-signature", signed.signature)
-            .body(body)
-            .send()
-            .await;
+        let mut request = self.http.post(parsed).header("content-type", "application/json");
+        for (name, value) in headers {
+            request = request.header(name, value);
+        }
+        let sent = request.body(body).send().await;
         match sent {
             Ok(response) => {
                 let status = response.status().as_u16();
@@ -135,8 +123,8 @@ impl Resolve for Guarded {
 mod tests {
     use super::*;
 
-    fn signed() -> Signed<'static> {
-        Signed { webhook_id: "msg_1", timestamp: 1, signature: String::new() }
+    fn signed() -> [(&'static str, String); 3] {
+        super::super::signature::headers(&[], "msg_1", b"{}")
     }
 
     /// An address inside the network is refused when it is sent to, not

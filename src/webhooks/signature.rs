@@ -24,6 +24,18 @@ pub fn header(secrets: &[&Secret], id: &str, timestamp: i64, body: &[u8]) -> Str
         .join(" ")
 }
 
+/// The three Standard Webhooks headers of `body` sent as `id` now, signed
+/// with each of `secrets`.
+pub fn headers(secrets: &[&Secret], id: &str, body: &[u8]) -> [(&'static str, String); 3] {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let timestamp = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
+    [
+        ("webhook-id", id.to_owned()),
+        ("webhook-timestamp", timestamp.to_string()),
+        ("webhook-signature", header(secrets, id, timestamp, body)),
+    ]
+}
+
 /// How far a signed message's timestamp may be from now.
 pub const TOLERANCE: std::time::Duration = std::time::Duration::from_secs(5 * 60);
 

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use tokio::sync::{Semaphore, watch};
@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use super::deliveries::{Deliveries, Outcome, Queued, Taken, Target};
-use super::send::{Response, Sender, Signed};
+use super::send::{Response, Sender};
 use super::{Endpoint, EndpointStore, signature, webhook_id};
 use crate::config::DeliverySettings;
 use crate::domain::{ClientId, IdempotencyKey, Millis, ScopedKey};
@@ -313,15 +313,9 @@ impl Worker {
             "data": taken.payload,
         });
         let body = serde_json::to_vec(&body).unwrap_or_default();
-        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-        let timestamp = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
         let secrets = endpoint.signing_secrets(Millis::now().get());
-        let signed = Signed {
-            webhook_id: &taken.webhook_id,
-            timestamp,
-            signature: signature::header(&secrets, &taken.webhook_id, timestamp, &body),
-        };
-        let response = self.sender.send(&endpoint.url, signed, body).await;
+        let headers = signature::headers(&secrets, &taken.webhook_id, &body);
+        let response = self.sender.send(&endpoint.url, headers, body).await;
         let result = match &response {
             Response::Accepted(_) => "delivered",
             Response::Gone => "gone",

@@ -18,16 +18,22 @@ async fn payment_status(app: &TestApp, location: &str) -> String {
     shown["status"].as_str().unwrap().to_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_rail_parks_the_payment_until_it_answers_again() {
-    let app = spawn_app_with(|s| {
+/// A front door whose recovery worker probes parked payments every 200 ms
+/// and lists one for settlement after three unknown outcomes.
+async fn silent_rail_app() -> TestApp {
+    spawn_app_with(|s| {
         s.engine.work.lease = Duration::from_millis(1000);
         s.engine.rails.rail_timeout = Duration::from_millis(300);
         s.engine.rails.rail_attempts = 1;
         s.recovery_interval_ms = 200;
         s.engine.work.max_unknown_attempts = 3;
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_rail_parks_the_payment_until_it_answers_again() {
+    let app = silent_rail_app().await;
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
     let body = payment("E2E-SILENT");
 
@@ -70,14 +76,7 @@ async fn a_silent_rail_parks_the_payment_until_it_answers_again() {
 /// a rolling deploy) is marked indeterminate at its next park all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payment_past_a_lowered_limit_is_marked_indeterminate_at_its_next_park() {
-    let app = spawn_app_with(|s| {
-        s.engine.work.lease = Duration::from_millis(1000);
-        s.engine.rails.rail_timeout = Duration::from_millis(300);
-        s.engine.rails.rail_attempts = 1;
-        s.recovery_interval_ms = 200;
-        s.engine.work.max_unknown_attempts = 3;
-    })
-    .await;
+    let app = silent_rail_app().await;
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
     let first = app.pay("lowered-1", &payment("E2E-LOWERED")).await;
     assert_eq!(first.status(), StatusCode::ACCEPTED);

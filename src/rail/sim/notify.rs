@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use crate::rail::Notice;
 use crate::webhooks::{Secret, signature};
@@ -63,20 +63,11 @@ impl Notifier {
         let body = serde_json::to_vec(notice).expect("a notice serialises");
         let secret = Secret { value: self.callback.secret.clone(), created_at: 0, valid_until: None };
         let attempt = || async {
-            let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-            let timestamp = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
-            let signed = signature::header(&[&secret], notice.id(), timestamp, &body);
-            let response = self
-                .http
-                .post(&self.callback.url)
-                .header("content-type", "application/json")
-                .header("webhook-id", notice.id())
-                .header("webhook-timestamp", timestamp.to_string())
-                .header("webhook-signature", signed)
-                .body(body.clone())
-                .send()
-                .await
-                .map_err(|e| e.to_string())?;
+            let mut request = self.http.post(&self.callback.url).header("content-type", "application/json");
+            for (name, value) in signature::headers(&[&secret], notice.id(), &body) {
+                request = request.header(name, value);
+            }
+            let response = request.body(body.clone()).send().await.map_err(|e| e.to_string())?;
             if response.status().is_success() { Ok(()) } else { Err(format!("answered {}", response.status())) }
         };
         let backoff = ExponentialBuilder::default()
