@@ -109,6 +109,7 @@ pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Mess
             let pending = PendingReturn {
                 rail: message.rail.clone(),
                 message_id: message.id.clone(),
+                key: in_flight.key.clone(),
                 body: message.body.clone(),
                 payment_id: in_flight.payment_id,
             };
@@ -158,6 +159,22 @@ pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingRetu
     let returned: Returned = serde_json::from_value(pending.body.clone())
         .map_err(|e| EngineError::Fault(format!("a stored return does not read: {e}")))?;
     let Some(mut tx) = engine.ledger().begin_return(pending).await? else { return Ok(()) };
+    // A copy here the reconciler has not voided yet may still say
+    // succeeded while the payment lives in the region that took it over.
+    if let Some(item) = engine.keys().get(&pending.key).await?
+        && item.payment_id == pending.payment_id
+        && item.home_region != engine.region()
+    {
+        let why = "the payment's live copy is in another region, which must take the return";
+        settle_message(&mut tx, &pending.rail, &pending.message_id, "unknown", Some(why)).await?;
+        tx.commit().await.map_err(LedgerError::from)?;
+        tracing::warn!(
+            id = pending.message_id,
+            region = item.home_region,
+            "a return for a payment that moved; kept for the reconciler"
+        );
+        return Ok(());
+    }
     let effect = apply_payment_return(&mut tx, pending.payment_id, &returned).await?;
     let (state, note) = match effect {
         ReturnEffect::Returned => ("applied", None),

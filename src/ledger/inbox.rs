@@ -72,11 +72,12 @@ pub struct Unmatched {
     pub received_at: time::OffsetDateTime,
 }
 
-/// A pending return, with the payment it returns.
+/// A pending return, with the payment it returns and that payment's key.
 #[derive(Debug, Clone)]
 pub struct PendingReturn {
     pub rail: String,
     pub message_id: String,
+    pub key: ScopedKey,
     pub body: serde_json::Value,
     pub payment_id: Uuid,
 }
@@ -258,8 +259,8 @@ impl Ledger {
     /// effect, or be found to have none), oldest first. Those of payments
     /// still being worked wait, without holding up the others.
     pub async fn pending_returns(&self, limit: i64) -> Result<Vec<PendingReturn>, LedgerError> {
-        let rows: Vec<(String, String, serde_json::Value, Uuid)> = sqlx::query_as(
-            "SELECT i.rail, i.message_id, i.body, r.payment_id
+        let rows: Vec<(String, String, Uuid, String, serde_json::Value, Uuid)> = sqlx::query_as(
+            "SELECT i.rail, i.message_id, c.client_id, c.idem_key, i.body, r.payment_id
                FROM inbox i
                JOIN external_calls c ON c.derived_key = i.derived_key
                JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
@@ -272,7 +273,10 @@ impl Ledger {
         .await?;
         Ok(rows
             .into_iter()
-            .map(|(rail, message_id, body, payment_id)| PendingReturn { rail, message_id, body, payment_id })
+            .filter_map(|(rail, message_id, client, key, body, payment_id)| {
+                let key = ScopedKey::new(ClientId::new(client), IdempotencyKey::parse(&key).ok()?);
+                Some(PendingReturn { rail, message_id, key, body, payment_id })
+            })
             .collect())
     }
 

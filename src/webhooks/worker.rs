@@ -233,16 +233,18 @@ impl Worker {
     /// Whether the payment of `taken` was taken over by another region
     /// since its event was written here: then that region's ledger holds
     /// the payment's events, and this one's are stale.
-    async fn moved_away(&self, taken: &Taken) -> Option<String> {
+    /// An error if the key store could not say (the delivery waits).
+    async fn moved_away(&self, taken: &Taken) -> Result<Option<String>, String> {
         if !taken.before_fence_change {
-            return None;
+            return Ok(None);
         }
-        let key = ScopedKey::new(taken.client(), IdempotencyKey::parse(&taken.idem_key).ok()?);
-        match self.keys.get(&key).await {
+        let Ok(key) = IdempotencyKey::parse(&taken.idem_key) else { return Ok(None) };
+        match self.keys.get(&ScopedKey::new(taken.client(), key)).await {
             Ok(Some(item)) if item.payment_id == taken.payment_id && item.home_region != self.region => {
-                Some(item.home_region)
+                Ok(Some(item.home_region))
             }
-            _ => None,
+            Ok(_) => Ok(None),
+            Err(e) => Err(format!("the payment's key could not be read: {e}")),
         }
     }
 
@@ -270,11 +272,12 @@ impl Worker {
                 (Outcome::Failed { status: None, error }, FollowUp::None)
             }
             Some(Some(e)) => match self.moved_away(&taken).await {
-                Some(region) => {
+                Ok(Some(region)) => {
                     let error = format!("the payment was taken over by region {region}, which sends its events");
                     (Outcome::Failed { status: None, error }, FollowUp::None)
                 }
-                None => self.attempt(&taken, e).await,
+                Ok(None) => self.attempt(&taken, e).await,
+                Err(error) => (Outcome::NotSent { error, wait: NOT_SENT_WAIT }, FollowUp::None),
             },
         };
         let recorded = match self.deliveries.record(&taken, &outcome).await {

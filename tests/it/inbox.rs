@@ -292,3 +292,40 @@ async fn only_the_payment_rail_returns_a_payment_and_only_as_it_was_sent() {
     );
     assert_eq!(app.count("inbox").await, 3);
 }
+
+/// A return that reaches a region whose copy of the payment another region
+/// took over (not voided yet) is not applied there: it is kept for the
+/// reconciler, and the copy is left as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_reaching_a_copy_that_moved_away_is_kept_not_applied() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    let paid = app.pay("moved", &payment("E2E-MOVED")).await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
+    let location = paid.headers()["location"].to_str().unwrap().to_owned();
+    let moved = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("moved").unwrap());
+    app.keys
+        .store
+        .client()
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(moved.partition_key()))
+        .update_expression("SET home_region = :there")
+        .expression_attribute_values(":there", aws_sdk_dynamodb::types::AttributeValue::S("test-2".into()))
+        .send()
+        .await
+        .unwrap();
+    let key = app.e2.statement().await[0].idempotency_key.clone();
+    assert_eq!(return_instruction(&app.e2, &key).await, StatusCode::OK);
+    eventually("the return is kept for the reconciler", async || {
+        inbox_states(&app).await.iter().any(|(kind, state, _)| kind == "returned" && state == "unknown")
+    })
+    .await;
+    let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
+    assert_eq!(shown["status"], "succeeded", "not returned here");
+    let entries: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE entry = 'return'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(entries, 0);
+}
