@@ -27,7 +27,7 @@ use crate::domain::Millis;
 use crate::engine::{Answer, Engine, EngineError, Recovery};
 use crate::keystore::{INFLIGHT_SHARDS, KeyStore, StaleKey};
 use crate::ledger::external::Indeterminate;
-use crate::operations::PaymentOperation;
+use crate::operations::Registered;
 
 /// Requests resumed at once by one sweep.
 const PARALLEL: usize = 8;
@@ -128,7 +128,7 @@ pub async fn sweep<K: KeyStore>(
     on_found(stale.len());
     let outcomes: Vec<_> = futures::stream::iter(stale)
         .map(|s| async move {
-            let outcome = engine.recover(&s, PaymentOperation::from_canonical).await;
+            let outcome = engine.recover(&s, Registered::decode).await;
             (s, outcome)
         })
         .buffer_unordered(PARALLEL)
@@ -149,6 +149,11 @@ pub async fn sweep<K: KeyStore>(
             | Err(EngineError::FencedOut(_)) => {
                 report.lost += 1;
                 "lost"
+            }
+            Ok(Recovery::Resumed(Answer::Exceeded { left })) => {
+                let error = format!("its hold is more than its balance has left ({left}); it waits for one released");
+                report.failed.push(Failure { key: stale.key.to_string(), error });
+                "failed"
             }
             Ok(Recovery::NotHome) => {
                 report.other_region += 1;

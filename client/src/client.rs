@@ -1,7 +1,8 @@
 //! The client: one key per operation, retries that keep it, polling of
-//! pending payments, and failover from one region to the next.
+//! pending payments and refunds, and failover from one region to the next.
 
 use std::fmt;
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,7 +18,10 @@ use crate::answer;
 use crate::error::{BuildError, PayError};
 use crate::journal::Journal;
 use crate::region;
-use crate::types::{Accepted, Declined, Outcome, Payment, PaymentRequest, PaymentStatus, Problem, Receipt};
+use crate::types::{
+    Accepted, Declined, Outcome, Payment, PaymentRequest, PaymentStatus, Problem, Receipt, Refund, RefundOutcome,
+    RefundReceipt, RefundRequest, RefundStatus,
+};
 
 /// What every request says it is, so that keyfence's operators can tell
 /// which client (and which version of it) sent what.
@@ -151,15 +155,36 @@ impl fmt::Debug for Client {
 }
 
 /// What one attempt at the front door came to.
-enum Step {
-    Done(Outcome, bool),
-    /// Worked on; poll this payment.
+pub(crate) enum Step<T> {
+    Done(T, bool),
+    /// Worked on; poll this payment (or refund).
     Accepted(Uuid),
     /// Try again, after at least this long, here or in the next region.
     Retry {
         after: Option<Duration>,
         next_region: bool,
     },
+}
+
+/// A request the client sees through to its final outcome: how one
+/// attempt is sent, how an accepted one is asked after, and what it is
+/// when the deadline comes first.
+pub(crate) trait Attempted: Sync {
+    type Outcome: Send;
+
+    fn attempt<'a>(
+        &'a self,
+        client: &'a Client,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Step<Self::Outcome>, PayError>> + Send + 'a;
+
+    fn poll<'a>(
+        &'a self,
+        client: &'a Client,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Step<Self::Outcome>, PayError>> + Send + 'a;
+
+    fn pending(id: Option<Uuid>) -> Self::Outcome;
 }
 
 impl Client {
@@ -199,28 +224,61 @@ impl Client {
     /// the batch channel does from a file's lines). The same key must never
     /// carry a different request.
     pub async fn pay_with_key(&self, request: &PaymentRequest, key: &str) -> Result<Receipt, PayError> {
+        let (outcome, replayed) = self.see_through(request, key).await?;
+        Ok(Receipt { idempotency_key: key.to_owned(), outcome, replayed })
+    }
+
+    /// Refunds `request` of payment `payment_id` once for `operation` (the
+    /// caller's name for this refund, kept in the journal as for `pay`).
+    /// A refund beyond what is left of the payment is refused (`422`,
+    /// [`PayError::Refused`]) with nothing kept: the same operation may
+    /// refund later, once another refund of the payment is declined.
+    pub async fn refund(
+        &self,
+        payment_id: Uuid,
+        request: &RefundRequest,
+        operation: &OperationId,
+    ) -> Result<RefundReceipt, PayError> {
+        let journal = self.inner.journal.as_ref().ok_or(PayError::NoJournal)?;
+        let key = journal.key_for(operation)?;
+        self.refund_with_key(payment_id, request, &key).await
+    }
+
+    /// Refunds under a key the caller derived and keeps itself.
+    pub async fn refund_with_key(
+        &self,
+        payment_id: Uuid,
+        request: &RefundRequest,
+        key: &str,
+    ) -> Result<RefundReceipt, PayError> {
+        let (outcome, replayed) = self.see_through(&Refunding { payment_id, request }, key).await?;
+        Ok(RefundReceipt { idempotency_key: key.to_owned(), outcome, replayed })
+    }
+
+    /// Sends `request` under `key` until its outcome is final or the
+    /// deadline passes: retries with the same key, polls what was
+    /// accepted, and moves to the next region when one fails.
+    async fn see_through<R: Attempted>(&self, request: &R, key: &str) -> Result<(R::Outcome, bool), PayError> {
         // None: a deadline further off than the clock can count, so never.
         let deadline = Instant::now().checked_add(self.inner.deadline);
         let mut pauses = self.inner.backoff.build();
-        // The payment keyfence said it is working on, and whether to poll it.
+        // What keyfence said it is working on, and whether to poll it.
         let mut known: Option<Uuid> = None;
         let mut polling = false;
         loop {
             let step = match known.filter(|_| polling) {
-                None => self.attempt(request, key).await?,
-                Some(id) => self.poll(id).await?,
+                None => request.attempt(self, key).await?,
+                Some(id) => request.poll(self, id).await?,
             };
             let (after, next_region) = match step {
-                Step::Done(outcome, replayed) => {
-                    return Ok(Receipt { idempotency_key: key.to_owned(), outcome, replayed });
-                }
+                Step::Done(outcome, replayed) => return Ok((outcome, replayed)),
                 Step::Accepted(id) => {
                     (known, polling) = (Some(id), true);
                     (None, false)
                 }
                 Step::Retry { after, next_region } => {
-                    // A payment that stopped answering to polls is asked for
-                    // with its key again: that resumes it or replays it.
+                    // What stopped answering to polls is asked for with its
+                    // key again: that resumes it or replays it.
                     polling = false;
                     (after, next_region)
                 }
@@ -231,8 +289,7 @@ impl Client {
             let pause = pauses.next().unwrap_or(self.inner.deadline).max(after.unwrap_or_default());
             let left = deadline.map_or(Duration::MAX, |deadline| deadline.saturating_duration_since(Instant::now()));
             if pause >= left {
-                let outcome = Outcome::Pending { payment_id: known };
-                return Ok(Receipt { idempotency_key: key.to_owned(), outcome, replayed: false });
+                return Ok((R::pending(known), false));
             }
             tokio::time::sleep(pause).await;
         }
@@ -249,17 +306,34 @@ impl Client {
         }
     }
 
-    async fn attempt(&self, request: &PaymentRequest, key: &str) -> Result<Step, PayError> {
-        let sent = self
-            .inner
-            .http
-            .post(format!("{}/v1/payments", self.region()))
-            .bearer_auth(&self.inner.api_key)
-            .header("Idempotency-Key", key)
-            .json(request)
-            .send()
-            .await;
-        let response = match sent {
+    /// POSTs `body` to `path` of the region in use under `key`.
+    async fn post(&self, path: &str, key: &str, body: &impl serde::Serialize) -> Result<Response, reqwest::Error> {
+        let url = format!("{}{path}", self.region());
+        let request = self.inner.http.post(url).bearer_auth(&self.inner.api_key).header("Idempotency-Key", key);
+        request.json(body).send().await
+    }
+
+    /// GETs `path` of the region in use: `Ok` with a 200, else what to do.
+    async fn get<T>(&self, path: &str) -> Result<Response, Step<T>> {
+        let asked =
+            self.inner.http.get(format!("{}{path}", self.region())).bearer_auth(&self.inner.api_key).send().await;
+        match asked {
+            Ok(response) if response.status() == StatusCode::OK => Ok(response),
+            Ok(response) => {
+                let next_region = response.status() == StatusCode::SERVICE_UNAVAILABLE;
+                let after = answer::retry_after(response.headers(), SystemTime::now());
+                Err(Step::Retry { after, next_region })
+            }
+            Err(e) => Err(unanswered(&e)),
+        }
+    }
+}
+
+impl Attempted for PaymentRequest {
+    type Outcome = Outcome;
+
+    async fn attempt(&self, client: &Client, key: &str) -> Result<Step<Outcome>, PayError> {
+        let response = match client.post("/v1/payments", key, self).await {
             Ok(response) => response,
             // Refused, reset or timed out: the attempt may or may not have
             // reached keyfence, which is why the retry carries the same key.
@@ -273,42 +347,21 @@ impl Client {
                 Some(payment) => Step::Done(Outcome::Succeeded { payment }, replayed),
                 None => Step::Retry { after: None, next_region: false },
             },
-            202 => match answer::json::<Accepted>(response).await {
-                Some(accepted) => Step::Accepted(accepted.id),
-                None => Step::Retry { after: None, next_region: false },
-            },
+            202 => accepted(response).await,
             402 => {
-                let declined: Option<Declined> = answer::json(response).await;
-                let (payment_id, reason) = declined
-                    .map(|d| (d.id, d.reason.or(d.detail).unwrap_or_else(|| "declined".into())))
-                    .unwrap_or((None, "declined".into()));
+                let (payment_id, reason) = declined(response).await;
                 Step::Done(Outcome::Rejected { payment_id, reason }, replayed)
             }
-            409 | 429 | 408 => Step::Retry { after, next_region: false },
-            503 => Step::Retry { after, next_region: true },
             422 => return Err(PayError::KeyReused { key: key.to_owned(), detail: detail(response).await }),
-            300..=499 => return Err(PayError::Refused { status: status.as_u16(), detail: detail(response).await }),
-            _ => Step::Retry { after, next_region: false },
+            _ => other(status, after, response).await?,
         })
     }
 
     /// Asks how a payment that answered `202` stands.
-    async fn poll(&self, id: Uuid) -> Result<Step, PayError> {
-        let asked = self
-            .inner
-            .http
-            .get(format!("{}/v1/payments/{id}", self.region()))
-            .bearer_auth(&self.inner.api_key)
-            .send()
-            .await;
-        let response = match asked {
-            Ok(response) if response.status() == StatusCode::OK => response,
-            Ok(response) => {
-                let next_region = response.status() == StatusCode::SERVICE_UNAVAILABLE;
-                let after = answer::retry_after(response.headers(), SystemTime::now());
-                return Ok(Step::Retry { after, next_region });
-            }
-            Err(e) => return Ok(unanswered(&e)),
+    async fn poll(&self, client: &Client, id: Uuid) -> Result<Step<Outcome>, PayError> {
+        let response = match client.get(&format!("/v1/payments/{id}")).await {
+            Ok(response) => response,
+            Err(step) => return Ok(step),
         };
         let Some(payment) = answer::json::<Payment>(response).await else {
             return Ok(Step::Retry { after: None, next_region: false });
@@ -325,11 +378,107 @@ impl Client {
             PaymentStatus::Voided | PaymentStatus::Unknown => Step::Retry { after: None, next_region: false },
         })
     }
+
+    fn pending(payment_id: Option<Uuid>) -> Outcome {
+        Outcome::Pending { payment_id }
+    }
+}
+
+/// A refund of one payment, as the client sends it.
+struct Refunding<'a> {
+    payment_id: Uuid,
+    request: &'a RefundRequest,
+}
+
+impl Attempted for Refunding<'_> {
+    type Outcome = RefundOutcome;
+
+    async fn attempt(&self, client: &Client, key: &str) -> Result<Step<RefundOutcome>, PayError> {
+        let path = format!("/v1/payments/{}/refunds", self.payment_id);
+        let response = match client.post(&path, key, self.request).await {
+            Ok(response) => response,
+            Err(e) => return Ok(unanswered(&e)),
+        };
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        let status = response.status();
+        let after = answer::retry_after(response.headers(), SystemTime::now());
+        Ok(match status.as_u16() {
+            200 | 201 => match answer::json::<Refund>(response).await {
+                Some(refund) => Step::Done(RefundOutcome::Succeeded { refund }, replayed),
+                None => Step::Retry { after: None, next_region: false },
+            },
+            202 => accepted(response).await,
+            402 => {
+                let (refund_id, reason) = declined(response).await;
+                Step::Done(RefundOutcome::Rejected { refund_id, reason }, replayed)
+            }
+            // A refund has more than one 422: only one is a reused key.
+            422 => {
+                let problem = answer::json::<Problem>(response).await;
+                let detail = problem.as_ref().and_then(|p| p.detail.clone()).unwrap_or_else(|| status.to_string());
+                if problem.and_then(|p| p.kind).is_some_and(|kind| kind.ends_with(":idempotency-key-reused")) {
+                    return Err(PayError::KeyReused { key: key.to_owned(), detail });
+                }
+                return Err(PayError::Refused { status: 422, detail });
+            }
+            _ => other(status, after, response).await?,
+        })
+    }
+
+    /// Asks how a refund that answered `202` stands.
+    async fn poll(&self, client: &Client, id: Uuid) -> Result<Step<RefundOutcome>, PayError> {
+        let response = match client.get(&format!("/v1/refunds/{id}")).await {
+            Ok(response) => response,
+            Err(step) => return Ok(step),
+        };
+        let Some(refund) = answer::json::<Refund>(response).await else {
+            return Ok(Step::Retry { after: None, next_region: false });
+        };
+        Ok(match refund.status {
+            RefundStatus::Succeeded => Step::Done(RefundOutcome::Succeeded { refund }, false),
+            RefundStatus::Rejected => {
+                let reason = refund.decline_reason.clone().unwrap_or_else(|| "declined".into());
+                Step::Done(RefundOutcome::Rejected { refund_id: Some(refund.id), reason }, false)
+            }
+            RefundStatus::Pending | RefundStatus::Indeterminate => Step::Accepted(id),
+            RefundStatus::Voided | RefundStatus::Unknown => Step::Retry { after: None, next_region: false },
+        })
+    }
+
+    fn pending(refund_id: Option<Uuid>) -> RefundOutcome {
+        RefundOutcome::Pending { refund_id }
+    }
+}
+
+/// A `202`: poll what it names.
+async fn accepted<T>(response: Response) -> Step<T> {
+    match answer::json::<Accepted>(response).await {
+        Some(accepted) => Step::Accepted(accepted.id),
+        None => Step::Retry { after: None, next_region: false },
+    }
+}
+
+/// A `402`'s id and reason code (or, failing that, its explanation).
+async fn declined(response: Response) -> (Option<Uuid>, String) {
+    let declined: Option<Declined> = answer::json(response).await;
+    declined
+        .map(|d| (d.id, d.reason.or(d.detail).unwrap_or_else(|| "declined".into())))
+        .unwrap_or((None, "declined".into()))
+}
+
+/// Every other answer: retried, or refused for good.
+async fn other<T>(status: StatusCode, after: Option<Duration>, response: Response) -> Result<Step<T>, PayError> {
+    Ok(match status.as_u16() {
+        409 | 429 | 408 => Step::Retry { after, next_region: false },
+        503 => Step::Retry { after, next_region: true },
+        300..=499 => return Err(PayError::Refused { status: status.as_u16(), detail: detail(response).await }),
+        _ => Step::Retry { after, next_region: false },
+    })
 }
 
 /// A request that got no answer is tried again; a region that refuses the
 /// connection or stops answering is left for the next.
-fn unanswered(error: &reqwest::Error) -> Step {
+fn unanswered<T>(error: &reqwest::Error) -> Step<T> {
     Step::Retry { after: None, next_region: error.is_connect() || error.is_timeout() }
 }
 

@@ -18,6 +18,8 @@
 //!   `422`;
 //! - on `202` it polls the payment until its outcome is final or the
 //!   caller's deadline passes;
+//! - [`Client::refund`] does the same for a refund of a payment, under a
+//!   key of its own;
 //! - given several region URLs it sends to the first and moves to the next
 //!   on a connection failure, a timeout or a `503`, with the same key.
 //!
@@ -67,7 +69,10 @@ pub use answer::retry_after;
 pub use client::{Client, ClientBuilder};
 pub use error::{BuildError, PayError};
 pub use journal::{Journal, JournalError};
-pub use types::{Outcome, Payment, PaymentRequest, PaymentStatus, Receipt};
+pub use types::{
+    Outcome, Payment, PaymentRequest, PaymentStatus, Receipt, Refund, RefundOutcome, RefundReceipt, RefundRequest,
+    RefundStatus,
+};
 
 use std::fmt;
 

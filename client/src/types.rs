@@ -158,7 +158,113 @@ pub struct Receipt {
     pub replayed: bool,
 }
 
-/// keyfence's answer to a refused payment (`402`).
+/// A refund to make of a payment, as `POST /v1/payments/{id}/refunds`
+/// takes it: built with [`RefundRequest::new`] and a setter per field.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct RefundRequest {
+    /// Integer minor units (cents), positive, at most what is left of the payment.
+    pub amount_minor: i64,
+    /// Why, for people (1 to 140 characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl RefundRequest {
+    /// A refund of `amount_minor` in the payment's currency.
+    pub fn new(amount_minor: i64) -> Self {
+        Self { amount_minor, reason: None }
+    }
+
+    /// Why it is refunded.
+    pub fn reason(mut self, text: impl Into<String>) -> Self {
+        self.reason = Some(text.into());
+        self
+    }
+}
+
+/// Where a refund stands, as keyfence says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum RefundStatus {
+    /// Being worked, or the payment rail's outcome is not known yet.
+    Pending,
+    /// The outcome stayed unknown after repeated probes.
+    Indeterminate,
+    /// Refunded (final).
+    Succeeded,
+    /// Declined by the payment rail (final; nothing moved).
+    Rejected,
+    /// This region's copy of a refund another region completed.
+    Voided,
+    /// A status keyfence added after this version of the crate: not final.
+    #[serde(other)]
+    Unknown,
+}
+
+/// A refund as keyfence shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[non_exhaustive]
+pub struct Refund {
+    /// keyfence's id of the refund.
+    pub id: Uuid,
+    /// The payment it refunds.
+    pub payment_id: Uuid,
+    /// Where it stands.
+    pub status: RefundStatus,
+    /// Integer minor units (cents).
+    pub amount_minor: i64,
+    /// The payment's currency.
+    pub currency: String,
+    /// Why, as the request said.
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// The payment rail's own reference, once refunded.
+    #[serde(default)]
+    pub rail_reference: Option<String>,
+    /// Why the rail declined it (a reason code), if it did.
+    #[serde(default)]
+    pub decline_reason: Option<String>,
+}
+
+/// How a refund ended, as far as it is known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RefundOutcome {
+    /// Refunded.
+    Succeeded {
+        /// The refund as keyfence answered it.
+        refund: Refund,
+    },
+    /// Declined by the payment rail (final; its amount may be refunded again).
+    Rejected {
+        /// The declined refund's id, when keyfence gave it.
+        refund_id: Option<Uuid>,
+        /// The reason code (or, failing that, the explanation).
+        reason: String,
+    },
+    /// Not final when the deadline passed: the refund will finish, and
+    /// refunding the same operation again returns its outcome.
+    Pending {
+        /// The refund's id, if keyfence accepted it (202) before the deadline.
+        refund_id: Option<Uuid>,
+    },
+}
+
+/// The answer to one `refund`: the key it was sent under and how it ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RefundReceipt {
+    /// The key every attempt carried.
+    pub idempotency_key: String,
+    /// How the refund ended, or that it had not yet by the deadline.
+    pub outcome: RefundOutcome,
+    /// The final answer was a replay of one given before.
+    pub replayed: bool,
+}
+
+/// keyfence's answer to a refused payment or refund (`402`).
 #[derive(Deserialize)]
 pub(crate) struct Declined {
     #[serde(default)]
@@ -178,6 +284,8 @@ pub(crate) struct Accepted {
 /// An RFC 9457 problem, for error messages.
 #[derive(Deserialize)]
 pub(crate) struct Problem {
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
     #[serde(default)]
     pub title: Option<String>,
     #[serde(default)]

@@ -29,7 +29,7 @@ pub struct PaymentRequest {
 
 /// Largest amount accepted: 10^15 minor units, far above any real payment,
 /// far below where arithmetic on sums could overflow.
-const MAX_AMOUNT_MINOR: i64 = 1_000_000_000_000_000;
+pub(super) const MAX_AMOUNT_MINOR: i64 = 1_000_000_000_000_000;
 
 impl PaymentRequest {
     /// Parses a JSON value (already known to be well-formed JSON). Only an
@@ -98,7 +98,7 @@ pub fn is_reference(s: &str) -> bool {
 /// a person reads: no control character, no format character (bidi
 /// overrides, zero-width characters, soft hyphens: general category Cf), no
 /// line or paragraph separator (U+2028, U+2029).
-fn is_text(s: &str, min: usize, max: usize) -> bool {
+pub(super) fn is_text(s: &str, min: usize, max: usize) -> bool {
     use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
     let hidden = |c: char| {
         c.is_control()

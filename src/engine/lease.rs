@@ -51,6 +51,13 @@ impl Attempt {
         }
     }
 
+    /// Whether handing the key back forgets it: this attempt made the claim
+    /// and no commit was ever attempted (a commit whose answer was lost may
+    /// have landed), so nothing of the request exists anywhere else.
+    pub fn forgettable(&self) -> bool {
+        self.fresh && self.at == RecoveryPoint::STARTED && !self.commit_attempted
+    }
+
     /// Extends the lease if a third of it is gone.
     pub async fn keep_alive<K: KeyStore>(&mut self, keys: &K, length: Duration) -> Result<(), EngineError> {
         let now = Millis::now();

@@ -11,6 +11,7 @@
 mod answers;
 mod derived_key;
 mod error;
+mod holds;
 mod lease;
 mod operation;
 mod recover;
@@ -93,6 +94,10 @@ pub enum Answer {
     /// An external outcome is unknown: the request is parked, resumable,
     /// and must not be reported as failed.
     Pending { payment_id: Uuid },
+    /// The operation's hold ([`Operation::hold`]) is more than its balance
+    /// has left: nothing was held, committed or stored, so the same request
+    /// may succeed later (once another hold is released).
+    Exceeded { left: i64 },
 }
 
 impl<K> Engine<K> {

@@ -14,6 +14,7 @@ use sqlx::PgConnection;
 
 use super::EngineError;
 use crate::domain::{Fence, RecoveryPoint, StoredResponse};
+use crate::keystore::Hold;
 use crate::ledger::RequestRecord;
 use crate::rail::{Declined, Instruction};
 
@@ -77,4 +78,15 @@ pub trait Operation: Send + Sync {
 
     /// What external step `step` sends.
     fn instruction(&self, step: &ExternalStep) -> Instruction;
+
+    /// A hold the request takes on a balance in the key store before its
+    /// first phase (a refund on what is left of its payment), if it needs
+    /// one. The engine takes it once per request (a retried hold is
+    /// recognised), answers [`super::Answer::Exceeded`] without storing
+    /// anything when the balance is too small, and concludes it when the
+    /// request finishes: settled by a 2xx final answer, released by any
+    /// other.
+    fn hold(&self) -> Option<Hold> {
+        None
+    }
 }

@@ -25,12 +25,12 @@ pub enum Recovery {
 
 impl<K: KeyStore> Engine<K> {
     /// Takes over `stale` (if still as seen) and resumes it; `decode`
-    /// rebuilds the operation from the request stored with the key.
+    /// rebuilds the operation from the name and request stored with the key.
     #[tracing::instrument(skip_all, fields(key = %stale.key, seen = %stale.fence))]
     pub async fn recover<O: Operation>(
         &self,
         stale: &StaleKey,
-        decode: impl Fn(&[u8]) -> Result<O, EngineError>,
+        decode: impl Fn(&str, &[u8]) -> Result<O, EngineError>,
     ) -> Result<Recovery, EngineError> {
         self.check_region().await?;
         let now = Millis::now();
@@ -52,7 +52,7 @@ impl<K: KeyStore> Engine<K> {
             Err(e) => return Err(e.into()),
         };
         tracing::info!(fence = %item.fence, "recovering a stale request");
-        let op = match decode(&item.request) {
+        let op = match decode(&item.operation, &item.request) {
             Ok(op) => op,
             Err(e) => {
                 // Hand it back rather than sit on it for a whole lease.

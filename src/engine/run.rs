@@ -16,9 +16,9 @@
 
 use std::time::Duration;
 
-use crate::domain::{Millis, RecoveryPoint};
+use crate::domain::{Millis, RecoveryPoint, StoredResponse};
 use crate::failpoint;
-use crate::keystore::{Finish, KeyState, KeyStore, KeyStoreError, Release};
+use crate::keystore::{Concluded, Conclusion, Finish, HeldBy, Holding, KeyState, KeyStore, KeyStoreError, Release};
 use crate::ledger::external;
 use crate::rail::{CallOutcome, ProbeOutcome, Verdict};
 
@@ -118,9 +118,72 @@ impl<K: KeyStore> Engine<K> {
     pub(super) async fn drive<O: Operation>(&self, op: &O, attempt: &mut Attempt) -> Result<Answer, EngineError> {
         let result = self.drive_to_answer(op, attempt).await;
         if let Err(e) = &result {
+            if e.hands_back() && attempt.forgettable() {
+                self.give_back_hold(op, attempt).await;
+            }
             self.stopped(attempt, e).await;
         }
         result
+    }
+
+    /// Takes the operation's hold, before its first phase; `Some` answer
+    /// if the balance is too small (the key is handed back: nothing was
+    /// stored, and a claim of this attempt's own is forgotten).
+    async fn take_hold<O: Operation>(&self, op: &O, attempt: &Attempt) -> Result<Option<Answer>, EngineError> {
+        let Some(hold) = op.hold() else { return Ok(None) };
+        let by = HeldBy {
+            id: attempt.record.payment_id,
+            key: attempt.record.key.clone(),
+            created_at: attempt.record.created_at,
+            region: self.settings.region.clone(),
+        };
+        failpoint::boundary(|| "before-hold".to_owned());
+        let mut holding = self.keys.hold(&hold, &by, Millis::now()).await?;
+        // What is left may be held for requests that are gone: given back, it may be enough.
+        if let Holding::Exceeded { .. } = holding
+            && self.release_orphans(&hold.balance).await? > 0
+        {
+            holding = self.keys.hold(&hold, &by, Millis::now()).await?;
+        }
+        match holding {
+            Holding::Held => {
+                failpoint::boundary(|| "after-hold".to_owned());
+                Ok(None)
+            }
+            Holding::Exceeded { left } => {
+                metrics::counter!("keyfence_holds_exceeded_total").increment(1);
+                self.hand_back(attempt).await;
+                Ok(Some(Answer::Exceeded { left }))
+            }
+        }
+    }
+
+    /// Gives back the hold of a request about to be forgotten (nothing of
+    /// it was committed), so its amount is not held for nobody. If this
+    /// fails, the hold is an orphan: its request's key is gone, which is
+    /// how it is found and released later ([`Engine::release_orphans`]).
+    async fn give_back_hold<O: Operation>(&self, op: &O, attempt: &Attempt) {
+        let Some(hold) = op.hold() else { return };
+        let id = attempt.record.payment_id;
+        if let Err(e) = self.keys.conclude_hold(&hold.balance, id, Conclusion::Release).await {
+            tracing::warn!(key = %attempt.record.key, error = %e, "could not give back the hold of a request handed back");
+        }
+    }
+
+    /// Settles or releases the operation's hold as the final answer says.
+    async fn conclude_hold<O: Operation>(
+        &self,
+        op: &O,
+        attempt: &Attempt,
+        response: &StoredResponse,
+    ) -> Result<(), EngineError> {
+        let Some(hold) = op.hold() else { return Ok(()) };
+        let how = if (200..300).contains(&response.status) { Conclusion::Settle } else { Conclusion::Release };
+        let id = attempt.record.payment_id;
+        if self.keys.conclude_hold(&hold.balance, id, how).await? == Concluded::Missing {
+            tracing::warn!(key = %attempt.record.key, balance = hold.balance, "a finished request has no hold on its balance");
+        }
+        Ok(())
     }
 
     /// An attempt that stopped short of an answer: after a failure it hands
@@ -141,10 +204,18 @@ impl<K: KeyStore> Engine<K> {
         attempt: &mut Attempt,
     ) -> Result<Answer, EngineError> {
         let steps = op.steps();
+        // A rebuild works a request the key says is finished: its owner took
+        // the hold and concluded it.
+        if attempt.at == RecoveryPoint::STARTED
+            && attempt.known_answer.is_none()
+            && let Some(refused) = self.take_hold(op, attempt).await?
+        {
+            return Ok(refused);
+        }
         let mut outcome: Option<Verdict> = None;
         loop {
             if attempt.at == RecoveryPoint::FINISHED {
-                return self.publish(attempt).await;
+                return self.publish(op, attempt).await;
             }
             let (awaiting, from) = match position(steps, &attempt.at)? {
                 Position::Before(i) => (None, i),
@@ -341,10 +412,12 @@ impl<K: KeyStore> Engine<K> {
     /// key store holds is ever answered: refused, this attempt answers with
     /// the key's stored answer if it is finished (someone else's, perhaps
     /// rebuilt elsewhere, and the one every retry gets), else "in flight".
-    async fn publish(&self, attempt: &Attempt) -> Result<Answer, EngineError> {
+    async fn publish<O: Operation>(&self, op: &O, attempt: &Attempt) -> Result<Answer, EngineError> {
         let response = self.ledger.answer(&attempt.record).await?.ok_or_else(|| {
             EngineError::Fault(format!("{} is finished but has no stored answer", attempt.record.key))
         })?;
+        // Before the key is finished: a finished key's hold is concluded.
+        self.conclude_hold(op, attempt, &response).await?;
         let finish =
             Finish { response: response.clone(), expires_at: self.settings.retention.expires_at(Millis::now()) };
         let record = &attempt.record;
@@ -369,7 +442,7 @@ impl<K: KeyStore> Engine<K> {
     /// the claim and no commit was ever attempted (a commit whose answer was
     /// lost may have landed), else reopened so the next actor resumes at once.
     pub(super) async fn hand_back(&self, attempt: &Attempt) {
-        let untouched = attempt.fresh && attempt.at == RecoveryPoint::STARTED && !attempt.commit_attempted;
+        let untouched = attempt.forgettable();
         let how = if untouched { Release::Forget } else { Release::Reopen };
         let label = if untouched { "forget" } else { "reopen" };
         metrics::counter!("keyfence_hand_backs_total", "how" => label).increment(1);

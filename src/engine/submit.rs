@@ -53,6 +53,7 @@ impl<K: KeyStore> Engine<K> {
             key: submission.key.clone(),
             request_hash: submission.request_hash.clone(),
             request: submission.canonical,
+            operation: submission.operation.name().to_owned(),
             payment_id: Uuid::now_v7(),
             owner: Owner::attempt_of(&self.settings.instance),
             home_region: self.settings.region.clone(),

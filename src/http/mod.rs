@@ -14,6 +14,7 @@ mod peers;
 mod probes;
 mod problem;
 mod rail_events;
+mod refunds;
 pub mod server;
 mod signed;
 mod throttle;
@@ -76,6 +77,9 @@ async fn count_answers(request: Request, next: Next) -> Response {
         ("POST", "/v1/payments") => "create_payment",
         ("GET", "/v1/payments") => "list_payments",
         (_, "/v1/payments/{id}") => "get_payment",
+        ("POST", "/v1/payments/{id}/refunds") => "create_refund",
+        (_, "/v1/payments/{id}/refunds") => "list_refunds",
+        (_, "/v1/refunds/{id}") => "get_refund",
         (_, "/v1/idempotency-keys/{key}") => "get_key",
         (_, "/v1/webhook-endpoints" | "/v1/webhook-endpoints/{id}") => "webhook_endpoints",
         (_, "/v1/rail-events/{rail}") => "rail_events",
@@ -123,6 +127,8 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/payments", axum::routing::post(payments::create).get(payments::by_reference))
         .route("/v1/payments/{id}", get(payments::show))
+        .route("/v1/payments/{id}/refunds", axum::routing::post(refunds::create).get(refunds::list))
+        .route("/v1/refunds/{id}", get(refunds::show))
         .route("/v1/idempotency-keys/{key}", get(keys::show))
         .route("/v1/webhook-endpoints", axum::routing::post(webhook_endpoints::create).get(webhook_endpoints::list))
         .route("/v1/webhook-endpoints/{id}", axum::routing::delete(webhook_endpoints::remove))

@@ -20,10 +20,11 @@ use super::peers::{Asked, Asker, check_target};
 use super::signed::is_forwarded;
 use super::{ApiError, AppState};
 use crate::clients::{Profile, Refusal};
+use crate::domain::ClientId;
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, Submission};
 use crate::keystore::KeyStore;
-use crate::operations::PaymentOperation;
+use crate::operations::{PaymentOperation, RefundOperation};
 
 const PATH: &str = "/v1/payments";
 
@@ -60,7 +61,7 @@ pub async fn create(
         .in_current_span(),
     );
     let answer = work.await.map_err(|e| EngineError::Fault(format!("the payment's task ended: {e}")))??;
-    respond(answer)
+    respond(answer, PATH)
 }
 
 /// Refuses a new payment the caller may not make (an account it does not
@@ -86,8 +87,9 @@ async fn permitted(
     })
 }
 
-/// Turns the engine's answer into HTTP: a final answer exactly as stored.
-fn respond(answer: Answer) -> Result<Response, ApiError> {
+/// Turns the engine's answer into HTTP: a final answer exactly as stored;
+/// a pending one names where to look (`collection`/{id}).
+pub(super) fn respond(answer: Answer, collection: &str) -> Result<Response, ApiError> {
     match answer {
         Answer::Final { response, replayed } => {
             let status = StatusCode::from_u16(response.status).map_err(|e| ApiError::Internal(e.to_string()))?;
@@ -104,11 +106,12 @@ fn respond(answer: Answer) -> Result<Response, ApiError> {
         }
         Answer::Pending { payment_id } => {
             let body = json!({ "id": payment_id, "status": "pending" });
-            let location = format!("{PATH}/{payment_id}");
+            let location = format!("{collection}/{payment_id}");
             Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(body)).into_response())
         }
         Answer::InFlight { retry_after } => Err(ApiError::InFlight { retry_after }),
         Answer::Mismatch => Err(ApiError::KeyReused),
+        Answer::Exceeded { left } => Err(ApiError::RefundExceedsPayment { left }),
     }
 }
 
@@ -121,23 +124,39 @@ pub async fn show(
     check_target(&headers, state.engine.region())?;
     // Not a UUID (or not even UTF-8): no payment has that id.
     let id = id.ok().and_then(|Path(id)| Uuid::parse_str(&id).ok()).ok_or(ApiError::NotFound)?;
+    let mut payment = locate(&state, client, id, is_forwarded(&headers)).await?;
+    // Another region asking adds this itself (it reads the same key table).
+    if !is_forwarded(&headers) {
+        let balance = RefundOperation::balance_of(id);
+        let refunded = state.engine.keys().balance(&balance).await.map_err(EngineError::from)?;
+        payment["amount_refunded"] = refunded.map_or(0, |b| b.settled).into();
+    }
+    Ok(Json(payment).into_response())
+}
+
+/// The live copy of the client's payment `id`: from this region's ledger,
+/// or from the region that holds it. Asked by another region
+/// (`forwarded`), only this region's own live copy counts.
+pub(super) async fn locate(state: &AppState, client: ClientId, id: Uuid, forwarded: bool) -> Result<Value, ApiError> {
     let local = state.engine.ledger().payment_of(client, id).await.map_err(EngineError::from)?;
     let home = match &local {
-        Some(held) => match live::judge(&state.engine, client, held).await? {
-            Standing::Live => return Ok(Json(&held.payment).into_response()),
+        Some(held) => match live::judge(&state.engine, client, held.into()).await? {
+            Standing::Live => {
+                return serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()));
+            }
             Standing::Leftover { home } => home,
         },
         None => None,
     };
     // Another region asking gets live copies only; a leftover here says
     // the payment exists (never a 404 for it), without showing it.
-    if is_forwarded(&headers) {
+    if forwarded {
         return Err(if local.is_some() { ApiError::PaymentMoving } else { ApiError::NotFound });
     }
     let registry = state.engine.regions().current().await;
     let asker = Asker { me: state.engine.region(), client };
-    match state.peers.payment(&registry, asker, home.as_deref(), &id.to_string()).await {
-        Asked::Found(payment) => Ok(Json(payment).into_response()),
+    match state.peers.one(&registry, asker, home.as_deref(), "/v1/payments", &id.to_string()).await {
+        Asked::Found(payment) => Ok(payment),
         // Only a leftover, here: its live copy is not written yet.
         Asked::Nowhere if local.is_some() => Err(ApiError::PaymentMoving),
         Asked::Nowhere => Err(ApiError::NotFound),
@@ -167,7 +186,7 @@ pub async fn by_reference(
     let local = state.engine.ledger().payments_by_reference(client, &reference).await.map_err(EngineError::from)?;
     let (mut live, mut leftovers) = (Vec::new(), Vec::new());
     for held in local {
-        match live::judge(&state.engine, client, &held).await? {
+        match live::judge(&state.engine, client, (&held).into()).await? {
             Standing::Live => {
                 live.push(serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()))?)
             }
@@ -180,7 +199,9 @@ pub async fn by_reference(
     }
     let registry = state.engine.regions().current().await;
     let asker = Asker { me: state.engine.region(), client };
-    let theirs = state.peers.listing(&registry, asker, &reference).await;
+    let query = [("end_to_end_id", reference.as_str())];
+    let wanted = |p: &Value| p["end_to_end_id"].as_str() == Some(reference.as_str());
+    let theirs = state.peers.listing(&registry, asker, PATH, &query, wanted).await;
     live.extend(theirs.map_err(ApiError::PeersUnreachable)?);
     let merged = merged(live);
     // A payment this region holds only a leftover of, and nobody shows live
@@ -193,7 +214,7 @@ pub async fn by_reference(
 
 /// One entry per payment, oldest first, at most 100 (every region answers
 /// with its live copies only, so each is the live one).
-fn merged(live: Vec<Value>) -> Vec<Value> {
+pub(super) fn merged(live: Vec<Value>) -> Vec<Value> {
     let mut by_id: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
     for payment in live {
         let id = payment["id"].as_str().unwrap_or_default().to_owned();

@@ -85,12 +85,20 @@ impl Peers {
         &self.authority
     }
 
-    /// The payment at `path` as the first other region holding a live copy
-    /// shows it, asking `home` (the request's home region, when the key
-    /// names it) first. A home that advertises no URL could not be asked.
-    pub async fn payment(&self, registry: &Registry, asker: Asker<'_>, home: Option<&str>, id: &str) -> Asked {
+    /// The payment (or refund) `id` of `collection` (`/v1/payments`,
+    /// `/v1/refunds`) as the first other region holding a live copy shows
+    /// it, asking `home` (the request's home region, when the key names it)
+    /// first. A home that advertises no URL could not be asked.
+    pub async fn one(
+        &self,
+        registry: &Registry,
+        asker: Asker<'_>,
+        home: Option<&str>,
+        collection: &str,
+        id: &str,
+    ) -> Asked {
         let me = asker.me;
-        let path = format!("/v1/payments/{id}");
+        let path = format!("{collection}/{id}");
         let mut unreachable = Vec::new();
         if let Some(home) = home.filter(|h| *h != me && !registry.urls.contains_key(*h)) {
             unreachable.push(home.to_owned());
@@ -101,7 +109,7 @@ impl Peers {
             match self.get(asker, region, url, &path, &[]).await {
                 Ok(Some(found)) if found["id"].as_str() == Some(id) => return Asked::Found(found),
                 Ok(Some(_)) => {
-                    tracing::warn!(region, "another region answered about another payment than asked");
+                    tracing::warn!(region, "another region answered about another one than asked");
                     unreachable.push(region.to_owned());
                 }
                 Ok(None) => {}
@@ -111,25 +119,23 @@ impl Peers {
         if unreachable.is_empty() { Asked::Nowhere } else { Asked::Unreachable(unreachable) }
     }
 
-    /// Every other region's payments with end-to-end reference `reference`
-    /// (from `{"data": [...]}`), or the regions that could not be asked.
+    /// Every other region's listing at `path` with `query` (from
+    /// `{"data": [...]}`), or the regions that could not be asked. A
+    /// listing with an entry that is not `wanted` is not believed.
     pub async fn listing(
         &self,
         registry: &Registry,
         asker: Asker<'_>,
-        reference: &str,
+        path: &str,
+        query: &[(&str, &str)],
+        wanted: impl Fn(&Value) -> bool,
     ) -> Result<Vec<Value>, Vec<String>> {
         let mut all = Vec::new();
         let mut unreachable = Vec::new();
-        let query = [("end_to_end_id", reference)];
         for (region, url) in others(registry, asker.me) {
-            match self.get(asker, region, url, "/v1/payments", &query).await {
+            match self.get(asker, region, url, path, query).await {
                 Ok(Some(Value::Object(mut page))) => match page.remove("data") {
-                    Some(Value::Array(items))
-                        if items.iter().all(|p| p["end_to_end_id"].as_str() == Some(reference)) =>
-                    {
-                        all.extend(items)
-                    }
+                    Some(Value::Array(items)) if items.iter().all(&wanted) => all.extend(items),
                     _ => unreachable.push(region.to_owned()),
                 },
                 Ok(_) => {}

@@ -23,6 +23,7 @@ pub enum ApiError {
     MalformedJson(String),
     InvalidFields(Vec<FieldError>),
     InvalidEndpoint(Vec<FieldError>),
+    InvalidRefund(Vec<FieldError>),
     MissingQuery(&'static str),
     InvalidQuery(String),
     RepeatedKey,
@@ -46,6 +47,14 @@ pub enum ApiError {
     OverLimit {
         limit: &'static str,
         detail: String,
+    },
+    /// Only a succeeded payment can be refunded; this one is `status`.
+    PaymentNotRefundable {
+        status: String,
+    },
+    /// The refund is more than is left to refund of its payment (`left`).
+    RefundExceedsPayment {
+        left: i64,
     },
     /// This region holds only a leftover of the payment, and no region shows
     /// its live copy yet (it is moving: its new home has not written it).
@@ -114,6 +123,34 @@ impl IntoResponse for ApiError {
                 "Invalid webhook endpoint",
                 "One or more fields are invalid; see errors.".to_owned(),
                 Some(json!({ "errors": errors })),
+            ),
+            ApiError::InvalidRefund(errors) => (
+                StatusCode::BAD_REQUEST,
+                "invalid-fields",
+                "Invalid refund",
+                "One or more fields are invalid; see errors.".to_owned(),
+                Some(json!({ "errors": errors })),
+            ),
+            ApiError::PaymentNotRefundable { status } => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "payment-not-refundable",
+                "Payment not refundable",
+                format!(
+                    "Only a succeeded payment can be refunded; this one is {status}. Nothing was claimed: the same \
+                     Idempotency-Key refunds once the payment has succeeded."
+                ),
+                None,
+            ),
+            ApiError::RefundExceedsPayment { left } => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "refund-exceeds-payment",
+                "Refund exceeds what is left of the payment",
+                format!(
+                    "Only {left} minor units of the payment are left to refund (succeeded and in-flight refunds \
+                     count). Nothing was reserved or stored: the same Idempotency-Key may refund once another refund \
+                     is declined."
+                ),
+                Some(json!({ "refundable_minor": left })),
             ),
             ApiError::MissingQuery(name) => (
                 StatusCode::BAD_REQUEST,

@@ -29,7 +29,7 @@ use crate::engine::{Engine, EngineError};
 use crate::keystore::{KeyState, KeyStore};
 use crate::ledger::LedgerError;
 use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
-use crate::operations::{PaymentOperation, ReturnEffect, apply_return as apply_payment_return};
+use crate::operations::{Registered, ReturnEffect, apply_return as apply_payment_return};
 use crate::rail::{Notice, Returned};
 
 /// The secret each rail signs its notifications with, by the name in its
@@ -149,7 +149,7 @@ pub async fn resume<K: KeyStore>(engine: &Engine<K>, in_flight: &InFlight) {
     if item.state != KeyState::Started || item.created_at != in_flight.created_at || item.lease_until > Millis::now() {
         return;
     }
-    if let Err(e) = engine.recover(&item.stale(), PaymentOperation::from_canonical).await {
+    if let Err(e) = engine.recover(&item.stale(), Registered::decode).await {
         tracing::warn!(key = %in_flight.key, error = %e, "could not resume a notified request");
     }
 }

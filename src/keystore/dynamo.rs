@@ -21,14 +21,16 @@ use aws_sdk_dynamodb::types::{
     AttributeValue, PutRequest, ReturnValue, ReturnValuesOnConditionCheckFailure, WriteRequest,
 };
 
+use super::balance::{Balance, Concluded, Conclusion, HeldBy, Hold, Holding};
 use super::item::{CONTROL_PREFIX, attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{
     Claim, Finish, Handoff, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release,
-    StaleKey, StoreFailure, handoff,
+    StaleKey, StoreFailure, balance, handoff,
 };
 use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 use crate::metrics::Timer;
+use uuid::Uuid;
 
 type Attrs = HashMap<String, AttributeValue>;
 
@@ -576,6 +578,23 @@ impl KeyStore for DynamoKeyStore {
             .map(drop)
             .map_err(store_error)
     }
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", balance = %hold.balance, id = %by.id))]
+    async fn hold(&self, hold: &Hold, by: &HeldBy, now: Millis) -> Result<Holding, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "hold")]);
+        balance::take(&self.client, &self.table, hold, by, now).await
+    }
+
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", balance, %id, how = ?how))]
+    async fn conclude_hold(&self, balance: &str, id: Uuid, how: Conclusion) -> Result<Concluded, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "conclude_hold")]);
+        balance::conclude(&self.client, &self.table, balance, id, how).await
+    }
+
+    #[tracing::instrument(skip_all, fields(otel.name = "GetItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "GetItem", balance))]
+    async fn balance(&self, balance: &str) -> Result<Option<Balance>, KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "balance")]);
+        balance::read(&self.client, &self.table, balance).await
+    }
 }
 
 /// The values of [`HELD_BY_ME`] for `holder`, with an operation's own.
@@ -595,7 +614,7 @@ fn names_for(used: &[&str]) -> HashMap<String, String> {
 
 /// A failed request: either its condition did not hold (with the item as it
 /// stood, when it exists) or the store itself failed.
-enum Failure {
+pub(super) enum Failure {
     Condition(Option<Attrs>),
     Store(KeyStoreError),
 }
@@ -625,7 +644,7 @@ fn fenced_out(failure: Failure) -> Result<KeyStoreError, KeyStoreError> {
 }
 
 /// The operations whose errors can be a failed condition.
-trait ConditionFailure {
+pub(super) trait ConditionFailure {
     /// `Some(item)` if the error is a failed condition, with the old item.
     fn condition_item(&self) -> Option<Option<&Attrs>>;
 }
@@ -657,7 +676,7 @@ impl ConditionFailure for DeleteItemError {
     }
 }
 
-fn classify<E>(err: SdkError<E, HttpResponse>) -> Failure
+pub(super) fn classify<E>(err: SdkError<E, HttpResponse>) -> Failure
 where
     E: ConditionFailure + ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
 {
@@ -669,7 +688,7 @@ where
 
 /// Separates throttling and unavailability (transient, worth a client retry)
 /// from faults (configuration or data problems).
-fn store_error<E>(err: SdkError<E, HttpResponse>) -> KeyStoreError
+pub(super) fn store_error<E>(err: SdkError<E, HttpResponse>) -> KeyStoreError
 where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
 {

@@ -41,6 +41,7 @@ pub(super) mod attr {
     pub const EXPIRES_AT: &str = "expires_at";
     pub const INFLIGHT: &str = "inflight";
     pub const LEFT: &str = "left";
+    pub const OPERATION: &str = "operation";
 }
 
 /// A started item whose lease has run out, as the in-flight index shows it.
@@ -77,6 +78,10 @@ pub struct KeyItem {
     pub key: ScopedKey,
     pub request_hash: RequestHash,
     pub request: Vec<u8>,
+    /// Which operation the request is ([`crate::engine::Operation::name`]):
+    /// what a resumer rebuilds from `request`. Items written before it was
+    /// kept are payments.
+    pub operation: String,
     pub state: KeyState,
     pub fence: Fence,
     /// End of the current owner's lease; a takeover is allowed after it.
@@ -114,6 +119,7 @@ impl KeyItem {
             key: claim.key.clone(),
             request_hash: claim.request_hash.clone(),
             request: claim.request.clone(),
+            operation: claim.operation.clone(),
             state: KeyState::Started,
             fence: Fence::FIRST,
             lease_until: claim.lease.until(),
@@ -199,6 +205,7 @@ pub(super) fn encode(item: &KeyItem) -> HashMap<String, AttributeValue> {
         (attr::KEY.to_owned(), s(item.key.key.as_str())),
         (attr::REQUEST_HASH.to_owned(), s(item.request_hash.as_str())),
         (attr::REQUEST.to_owned(), b(&item.request)),
+        (attr::OPERATION.to_owned(), s(item.operation.as_str())),
         (attr::STATE.to_owned(), s(item.state.as_str())),
         (attr::FENCE.to_owned(), n(item.fence.get())),
         (attr::LEASE_UNTIL.to_owned(), n(item.lease_until.get())),
@@ -254,6 +261,10 @@ pub(super) fn decode(attrs: &HashMap<String, AttributeValue>) -> Result<KeyItem,
         key: ScopedKey::new(client, key),
         request_hash: RequestHash::from_hex(get_s(attrs, attr::REQUEST_HASH)?.to_owned()),
         request: get_b(attrs, attr::REQUEST)?.to_vec(),
+        operation: match attrs.get(attr::OPERATION) {
+            None => "payment".to_owned(),
+            Some(_) => get_s(attrs, attr::OPERATION)?.to_owned(),
+        },
         state,
         fence: Fence::new(get_n(attrs, attr::FENCE)?),
         lease_until: Millis::new(get_n(attrs, attr::LEASE_UNTIL)?),

@@ -7,16 +7,19 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use super::{
-    Claim, Finish, Handoff, Holder, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey,
-    inflight_shard, shard_name,
+    Balance, Claim, Concluded, Conclusion, Finish, Handoff, HeldBy, Hold, HoldEntry, HoldState, Holder, Holding,
+    KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey, StoreFailure, inflight_shard, shard_name,
 };
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
+use uuid::Uuid;
 
 #[derive(Debug, Default)]
 pub struct MemoryKeyStore {
     items: Mutex<HashMap<String, KeyItem>>,
     /// Hand-offs by their partition key.
     handoffs: Mutex<BTreeMap<String, Handoff>>,
+    /// Balances by name.
+    balances: Mutex<HashMap<String, Balance>>,
 }
 
 impl MemoryKeyStore {
@@ -26,6 +29,10 @@ impl MemoryKeyStore {
 
     fn with_items<T>(&self, f: impl FnOnce(&mut HashMap<String, KeyItem>) -> T) -> T {
         f(&mut self.items.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
+    fn with_balances<T>(&self, f: impl FnOnce(&mut HashMap<String, Balance>) -> T) -> T {
+        f(&mut self.balances.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 
     fn with_handoffs<T>(&self, f: impl FnOnce(&mut BTreeMap<String, Handoff>) -> T) -> T {
@@ -234,5 +241,60 @@ impl KeyStore for MemoryKeyStore {
     async fn forget_handoff(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
         self.with_handoffs(|all| all.remove(&handoff.partition_key()));
         Ok(())
+    }
+
+    async fn hold(&self, hold: &Hold, by: &HeldBy, now: Millis) -> Result<Holding, KeyStoreError> {
+        self.with_balances(|all| {
+            let balance =
+                all.entry(hold.balance.clone()).or_insert_with(|| Balance { total: hold.total, ..Balance::default() });
+            if balance.total != hold.total {
+                return Err(KeyStoreError::Fault(StoreFailure::said(format!(
+                    "balance {} allows {}",
+                    hold.balance, balance.total
+                ))));
+            }
+            match balance.hold(by.id).map(|h| h.state) {
+                Some(HoldState::Held | HoldState::Settled) => return Ok(Holding::Held),
+                Some(HoldState::Released) => {
+                    return Err(KeyStoreError::Fault(StoreFailure::said(
+                        "the hold was released before its request began",
+                    )));
+                }
+                None => {}
+            }
+            if hold.amount <= 0 || hold.amount > balance.left() {
+                return Ok(Holding::Exceeded { left: balance.left() });
+            }
+            balance.reserved += hold.amount;
+            balance.holds.push(HoldEntry { by: by.clone(), amount: hold.amount, state: HoldState::Held, at: now });
+            Ok(Holding::Held)
+        })
+    }
+
+    async fn conclude_hold(&self, balance: &str, id: Uuid, how: Conclusion) -> Result<Concluded, KeyStoreError> {
+        self.with_balances(|all| {
+            let Some(balance) = all.get_mut(balance) else { return Ok(Concluded::Missing) };
+            let Some(entry) = balance.holds.iter_mut().find(|h| h.by.id == id) else { return Ok(Concluded::Missing) };
+            let to = match how {
+                Conclusion::Settle => HoldState::Settled,
+                Conclusion::Release => HoldState::Released,
+            };
+            match entry.state {
+                HoldState::Held => {}
+                state if state == to => return Ok(Concluded::Already),
+                _ => return Err(KeyStoreError::Fault(StoreFailure::said("the hold was concluded the other way"))),
+            }
+            entry.state = to;
+            let amount = entry.amount;
+            match how {
+                Conclusion::Settle => balance.settled += amount,
+                Conclusion::Release => balance.reserved -= amount,
+            }
+            Ok(Concluded::Now)
+        })
+    }
+
+    async fn balance(&self, balance: &str) -> Result<Option<Balance>, KeyStoreError> {
+        Ok(self.with_balances(|all| all.get(balance).cloned()))
     }
 }

@@ -11,6 +11,7 @@
 //! `MemoryKeyStore` is a reference model for property tests only.
 
 mod attempts;
+mod balance;
 mod dynamo;
 mod error;
 mod handoff;
@@ -25,6 +26,7 @@ use uuid::Uuid;
 
 use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
+pub use balance::{Balance, Concluded, Conclusion, HeldBy, Hold, HoldEntry, HoldState, Holding};
 pub use dynamo::{ConnectError, DynamoKeyStore, connect};
 pub use error::{KeyStoreError, StoreFailure};
 pub use handoff::Handoff;
@@ -54,6 +56,8 @@ pub struct Claim {
     /// The canonical request, kept so the reconciler can rebuild a payment
     /// that a failover erased from the regional ledger.
     pub request: Vec<u8>,
+    /// Which operation it is ([`crate::engine::Operation::name`]).
+    pub operation: String,
     /// Fixed at claim, so every resumer and repair works on the same payment.
     pub payment_id: Uuid,
     pub owner: Owner,
@@ -216,4 +220,27 @@ pub trait KeyStore: Send + Sync {
 
     /// Removes a hand-off once `from`'s leftover of it is voided (or was never there).
     fn forget_handoff(&self, handoff: &Handoff) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
+
+    /// Takes `hold` on its balance for request `by` at `now` (see
+    /// [`Balance`]): one conditional write, so no two holds together ever
+    /// exceed the balance's total. A hold `by` took before is recognised
+    /// (`Held`), not taken twice.
+    fn hold(
+        &self,
+        hold: &Hold,
+        by: &HeldBy,
+        now: Millis,
+    ) -> impl Future<Output = Result<Holding, KeyStoreError>> + Send;
+
+    /// Settles or releases the hold of request `id` on `balance`, once:
+    /// concluding it again the same way is `Already`, the other way a fault.
+    fn conclude_hold(
+        &self,
+        balance: &str,
+        id: Uuid,
+        how: Conclusion,
+    ) -> impl Future<Output = Result<Concluded, KeyStoreError>> + Send;
+
+    /// The balance as it stands (a consistent read); `None` if never drawn on.
+    fn balance(&self, balance: &str) -> impl Future<Output = Result<Option<Balance>, KeyStoreError>> + Send;
 }

@@ -11,6 +11,7 @@ pub mod external;
 pub mod inbox;
 pub mod payments;
 mod phase;
+pub mod refunds;
 mod region_fence;
 pub mod views;
 

@@ -21,7 +21,8 @@ pub struct LedgerView {
     pub fence: Fence,
     pub recovery_point: RecoveryPoint,
     pub answer: Option<StoredResponse>,
-    /// `None` if the payment row is missing.
+    /// The status of what the request created (its payment, or its
+    /// refund); `None` if that row is missing.
     pub payment_status: Option<String>,
     /// The oldest last attempt among calls whose outcome is unknown.
     pub unknown_since: Option<OffsetDateTime>,
@@ -98,7 +99,7 @@ impl Ledger {
             "SELECT {VIEW_COLUMNS}
                FROM unnest($1::uuid[], $2::text[], $3::timestamptz[]) AS k(client_id, idem_key, created_at)
                JOIN requests r USING (client_id, idem_key, created_at)
-               LEFT JOIN payments p ON p.id = r.payment_id"
+               LEFT JOIN ledger_subjects p ON p.id = r.payment_id"
         );
         let rows: Vec<ViewRow> = sqlx::query_as(sqlx::AssertSqlSafe(query))
             .bind(clients)
@@ -123,7 +124,7 @@ impl Ledger {
     ) -> impl Stream<Item = Result<LedgerView, LedgerError>> + Send + '_ {
         let query = format!(
             "SELECT {VIEW_COLUMNS}
-               FROM requests r LEFT JOIN payments p ON p.id = r.payment_id
+               FROM requests r LEFT JOIN ledger_subjects p ON p.id = r.payment_id
               WHERE r.created_at >= $1 AND r.created_at < $2
               ORDER BY r.created_at"
         );
@@ -179,7 +180,8 @@ impl Ledger {
 async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fence) -> Result<(), LedgerError> {
     // The payment is locked before its postings are summed, so a return
     // applied meanwhile (which locks it too) is either all in the sum or
-    // waits and then finds the payment voided.
+    // waits and then finds the payment voided. (A refund's request has a
+    // refund row instead, which nothing but its own phases writes.)
     sqlx::query("SELECT 1 FROM payments WHERE id = $1 FOR UPDATE")
         .bind(request.payment_id)
         .execute(&mut *phase.conn())
@@ -204,5 +206,6 @@ async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fen
         .execute(&mut *phase.conn())
         .await?;
     }
-    payments::mark_voided(phase.conn(), request.payment_id, fence).await
+    payments::mark_voided(phase.conn(), request.payment_id, fence).await?;
+    super::refunds::mark_voided(phase.conn(), request.payment_id, fence).await
 }

@@ -21,11 +21,10 @@ use std::collections::BTreeMap;
 
 use crate::domain::{PaymentRequest, RecoveryPoint, StoredResponse};
 use crate::ledger::payments::{self, Leg, Payment};
-use crate::ledger::{RequestRecord, external};
-use crate::rail::{Applied, Declined, Instruction};
+use crate::rail::{Declined, Instruction};
 use crate::webhooks;
 
-use super::{PAYMENT_RAIL, SCREENING};
+use super::{PAYMENT_RAIL, SCREENING, rail_result};
 use crate::engine::{EngineError, ExternalStep, Operation, Step, StepContext};
 
 const H1_DONE: RecoveryPoint = RecoveryPoint::named("H1_DONE");
@@ -206,18 +205,6 @@ fn declined_answer(payment_id: uuid::Uuid, step: &ExternalStep, declined: &Decli
         ]),
         body: body.to_string().into_bytes(),
     }
-}
-
-/// The recorded answer of an external step, committed in this transaction.
-async fn rail_result(
-    conn: &mut sqlx::PgConnection,
-    request: &RequestRecord,
-    step: &str,
-) -> Result<Applied, EngineError> {
-    let result = external::outcome_of(conn, request, step)
-        .await?
-        .ok_or_else(|| EngineError::Fault(format!("no recorded outcome for {step}")))?;
-    serde_json::from_value(result).map_err(|e| EngineError::Fault(format!("recorded outcome of {step}: {e}")))
 }
 
 impl Operation for PaymentOperation {

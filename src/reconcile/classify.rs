@@ -186,6 +186,7 @@ mod tests {
             key: ScopedKey::new(ClientId::generate(), IdempotencyKey::parse("k").unwrap()),
             request_hash: RequestHash::from_hex("h".into()),
             request: Vec::new(),
+            operation: "payment".into(),
             state,
             fence: Fence::new(fence),
             lease_until: Millis::new(lease_until),

@@ -21,7 +21,7 @@ use crate::domain::{Millis, Owner, RecoveryPoint};
 use crate::engine::{Answer, Engine, EngineError, Recovery};
 use crate::keystore::{KeyItem, KeyState, KeyStore, KeyStoreError};
 use crate::ledger::views::LedgerView;
-use crate::operations::PaymentOperation;
+use crate::operations::Registered;
 
 use super::{Class, Found};
 
@@ -156,7 +156,7 @@ async fn rebuild<K: KeyStore>(
             ledger.fence, key.fence
         )));
     }
-    let op = PaymentOperation::from_canonical(&key.request)?;
+    let op = Registered::decode(&key.operation, &key.request)?;
     Ok(match engine.rebuild(key, &op).await {
         Ok(Answer::Final { .. }) => {
             Acted::Done("rebuilt the payment from the stored request and the rails' records".into())
@@ -173,7 +173,7 @@ async fn rebuild<K: KeyStore>(
 }
 
 async fn resume<K: KeyStore>(engine: &Engine<K>, key: &KeyItem) -> Result<Acted, EngineError> {
-    Ok(match engine.recover(&key.stale(), PaymentOperation::from_canonical).await {
+    Ok(match engine.recover(&key.stale(), Registered::decode).await {
         Ok(Recovery::Resumed(Answer::Final { .. })) => Acted::Done("took it over and finished it".into()),
         Ok(Recovery::Resumed(Answer::Pending { .. })) => Acted::Unresolved(
             "took it over; the external outcome is still unknown (probed, parked, listed if indeterminate)".into(),
@@ -190,6 +190,7 @@ async fn restore_key<K: KeyStore>(engine: &Engine<K>, ledger: &LedgerView) -> Re
         key: ledger.record.key.clone(),
         request_hash: ledger.record.request_hash.clone(),
         request: ledger.record.request.clone(),
+        operation: ledger.record.operation.clone(),
         state: if finished { KeyState::Finished } else { KeyState::Started },
         // Above any fence the ledger has seen: whoever held the old one
         // (a stalled owner, say) can never write again.

@@ -229,7 +229,7 @@ impl Deliveries {
              UPDATE webhook_deliveries d
                 SET lease = d.lease + 1, attempts = d.attempts + 1,
                     next_attempt_at = now() + make_interval(secs => $2)
-               FROM due, outbox o, payments p
+               FROM due, outbox o, ledger_subjects p
               WHERE d.event_id = due.event_id AND d.endpoint_id = due.endpoint_id
                 AND o.event_id = d.event_id AND p.id = o.payment_id
           RETURNING d.event_id, d.endpoint_id, d.webhook_id, o.client_id, o.event, o.payload, o.created_at,

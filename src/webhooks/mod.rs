@@ -32,7 +32,15 @@ pub use store::{EndpointStore, WebhooksError};
 pub use target::TargetPolicy;
 
 /// The events a client may subscribe to.
-pub const EVENTS: [&str; 4] = ["payment.succeeded", "payment.rejected", "payment.indeterminate", "payment.returned"];
+pub const EVENTS: [&str; 7] = [
+    "payment.succeeded",
+    "payment.rejected",
+    "payment.indeterminate",
+    "payment.returned",
+    "refund.succeeded",
+    "refund.rejected",
+    "refund.indeterminate",
+];
 
 /// keyfence's namespace for event and delivery ids (fixed forever: a new
 /// one would give every event in flight a new `webhook-id`).

@@ -9,7 +9,10 @@ use std::time::Duration;
 use futures::future::join_all;
 use keyfence::regions::{self, RegionState, RegionStore};
 use keyfence::startup::REGION_VIEW_AGE;
-use keyfence_client::{Client, Journal, JournalError, OperationId, Outcome, PaymentRequest, PaymentStatus, Receipt};
+use keyfence_client::{
+    Client, Journal, JournalError, OperationId, Outcome, PayError, PaymentRequest, PaymentStatus, Receipt,
+    RefundOutcome, RefundRequest, RefundStatus,
+};
 
 use crate::app::{TestApp, spawn_app, spawn_app_with};
 use crate::harness::eventually;
@@ -225,4 +228,45 @@ async fn a_decline_is_an_outcome_and_a_reused_key_a_programming_error() {
         answer => panic!("the same key with another body is the caller's error: {answer:?}"),
     }
     assert_eq!(app.e2.statement().await.len(), 0, "nothing paid under the reused key");
+}
+
+/// A refund through the client: refunded once under its operation's key
+/// (while the payment rail is slow, so attempts time out and are retried),
+/// the same operation again is a replay, and one that does not fit what is
+/// left is refused, not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_is_made_once_per_operation() {
+    let app = spawn_app().await;
+    let journal = journal_path();
+    let payer = client(&[&app.url], &app.api_key, &journal);
+    let paid = payer.pay(&request("CLIENT-REFUND"), &OperationId::new("invoice-refunded").unwrap()).await.unwrap();
+    let Outcome::Succeeded { payment } = paid.outcome else { panic!("{paid:?}") };
+
+    app.e2.set_faults(serde_json::json!({ "latency_ms": 400 })).await;
+    let slow = Client::builder([app.url.as_str()], &app.api_key)
+        .journal(journal_path())
+        .deadline(Duration::from_secs(30))
+        .attempt_timeout(Duration::from_millis(200))
+        .backoff(Duration::from_millis(50), Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let operation = OperationId::new("refund-of-invoice").unwrap();
+    let refund = RefundRequest::new(1000).reason("returned goods");
+    let first = slow.refund(payment.id, &refund, &operation).await.unwrap();
+    let RefundOutcome::Succeeded { refund: made } = &first.outcome else { panic!("{first:?}") };
+    assert_eq!((made.payment_id, made.amount_minor, made.status), (payment.id, 1000, RefundStatus::Succeeded));
+    app.e2.clear_faults().await;
+
+    let again = slow.refund(payment.id, &refund, &operation).await.unwrap();
+    assert_eq!(
+        (&again.outcome, again.replayed, &again.idempotency_key),
+        (&first.outcome, true, &first.idempotency_key)
+    );
+    let at_rail = app.e2.statement().await.iter().filter(|a| a.amount_minor == 1000).count();
+    assert_eq!(at_rail, 1, "one refund instruction at E2");
+
+    let too_much = slow.refund(payment.id, &RefundRequest::new(251), &OperationId::new("one-too-many").unwrap()).await;
+    assert!(matches!(too_much, Err(PayError::Refused { status: 422, .. })), "{too_much:?}");
+    let rest = slow.refund(payment.id, &RefundRequest::new(250), &OperationId::new("the-rest").unwrap()).await.unwrap();
+    assert!(matches!(rest.outcome, RefundOutcome::Succeeded { .. }), "{rest:?}");
 }

@@ -9,11 +9,15 @@ use std::time::Duration;
 
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
 use keyfence::engine::{Answer, Engine, EngineSettings, Rails, Submission};
-use keyfence::keystore::{Claim, Finish, Handoff, Holder, KeyItem, KeyStore, KeyStoreError, Lease, Release, StaleKey};
+use keyfence::keystore::{
+    Balance, Claim, Concluded, Conclusion, Finish, Handoff, HeldBy, Hold, Holder, Holding, KeyItem, KeyStore,
+    KeyStoreError, Lease, Release, StaleKey,
+};
 use keyfence::operations::PaymentOperation;
 use keyfence::rail::RailClient;
 use keyfence::regions::{RegionStore, RegionView};
 use keyfence::startup::REGION_VIEW_AGE;
+use uuid::Uuid;
 
 use crate::app::{TestRail, payment};
 use crate::harness::{TestKeys, TestLedger, fresh_key};
@@ -113,6 +117,18 @@ impl<K: KeyStore> KeyStore for Counting<K> {
     async fn forget_handoff(&self, handoff: &Handoff) -> Result<(), KeyStoreError> {
         self.note("forget_handoff");
         self.inner.forget_handoff(handoff).await
+    }
+    async fn hold(&self, hold: &Hold, by: &HeldBy, now: Millis) -> Result<Holding, KeyStoreError> {
+        self.note("hold");
+        self.inner.hold(hold, by, now).await
+    }
+    async fn conclude_hold(&self, balance: &str, id: Uuid, how: Conclusion) -> Result<Concluded, KeyStoreError> {
+        self.note("conclude_hold");
+        self.inner.conclude_hold(balance, id, how).await
+    }
+    async fn balance(&self, balance: &str) -> Result<Option<Balance>, KeyStoreError> {
+        self.note("balance");
+        self.inner.balance(balance).await
     }
 }
 

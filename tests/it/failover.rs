@@ -18,8 +18,17 @@ use sqlx::PgPool;
 use crate::app::{TestApp, payment, spawn_app};
 use crate::reconcile::reconcile;
 
-const TABLES: [&str; 8] =
-    ["clients", "requests", "payments", "postings", "external_calls", "phase_runs", "outbox", "webhook_deliveries"];
+const TABLES: [&str; 9] = [
+    "clients",
+    "requests",
+    "payments",
+    "refunds",
+    "postings",
+    "external_calls",
+    "phase_runs",
+    "outbox",
+    "webhook_deliveries",
+];
 
 /// A consistent copy of every ledger table into schema `snap`.
 pub async fn snapshot(pool: &PgPool) {

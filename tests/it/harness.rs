@@ -144,6 +144,7 @@ pub fn claim_of(key: &ScopedKey, now: Millis, lease: Duration) -> Claim {
         key: key.clone(),
         request_hash: RequestHash::from_hex("ab".repeat(32)),
         request: br#"{"amount_minor":1250,"currency":"EUR"}"#.to_vec(),
+        operation: "payment".into(),
         payment_id: Uuid::now_v7(),
         owner: Owner::attempt_of("test"),
         home_region: "eu-west-1".into(),

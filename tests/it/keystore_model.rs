@@ -105,6 +105,7 @@ impl World {
             key: self.keys[key].clone(),
             request_hash: RequestHash::from_hex(format!("{key:064x}")),
             request: format!("request-{key}").into_bytes(),
+            operation: "payment".into(),
             payment_id: self.payment_ids[key],
             owner: self.owners[owner].clone(),
             home_region: "eu-west-1".into(),

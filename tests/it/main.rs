@@ -47,6 +47,9 @@ mod receiver;
 mod reconcile;
 #[cfg(feature = "failpoints")]
 mod reconcile_crashes;
+#[cfg(feature = "failpoints")]
+mod refund_crashes;
+mod refunds;
 mod region_auth;
 #[cfg(feature = "failpoints")]
 mod regions;

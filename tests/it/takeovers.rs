@@ -38,7 +38,7 @@ async fn a_request_that_does_not_decode_is_handed_back_at_once() {
     let stale = stale_key(&app, b"not a payment").await;
     let engine = build_engine(&app.settings.engine).await.unwrap();
 
-    let recovered = engine.recover(&stale, PaymentOperation::from_canonical).await;
+    let recovered = engine.recover(&stale, |_, request| PaymentOperation::from_canonical(request)).await;
     assert!(matches!(recovered, Err(EngineError::Fault(_) | EngineError::Broken(_))), "{recovered:?}");
     let item = app.keys.store.get(&stale.key).await.unwrap().unwrap();
     assert_eq!(item.fence, Fence::new(2), "it was taken over");
@@ -54,7 +54,7 @@ async fn a_ledger_out_of_reach_at_adoption_hands_the_key_back() {
     let engine = build_engine(&settings.engine).await.unwrap();
     proxy.cut();
 
-    let recovered = engine.recover(&stale, PaymentOperation::from_canonical).await;
+    let recovered = engine.recover(&stale, |_, request| PaymentOperation::from_canonical(request)).await;
     assert!(matches!(recovered, Err(EngineError::Transient(_))), "{recovered:?}");
     let item = app.keys.store.get(&stale.key).await.unwrap().unwrap();
     assert_eq!(item.fence, Fence::new(2));

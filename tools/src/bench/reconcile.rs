@@ -232,6 +232,7 @@ async fn load(keys: &DynamoKeyStore, ledger: &Ledger, region: &str, size: usize)
                 key: ScopedKey::new(client, IdempotencyKey::parse(&format!("bench-{i}")).expect("a valid key")),
                 request_hash: RequestHash::of("POST", "/v1/payments", request.as_bytes()),
                 request: request.into_bytes(),
+                operation: "payment".into(),
                 state: KeyState::Finished,
                 fence: Fence::FIRST,
                 lease_until: now,

@@ -1,0 +1,48 @@
+//! Orphaned holds: a hold whose request is gone. A request takes its hold
+//! after its claim and before its first phase; if the claim is then
+//! forgotten (a failure before anything was committed) and giving the hold
+//! back fails too, the hold is held for nobody. It is found by its key: a
+//! hold held for longer than a lease whose key no longer names its
+//! request (the key is gone, or names a later request) has nothing behind
+//! it, and is released, once (the balance records it). A hold whose
+//! request this region's ledger still holds is left alone even then: its
+//! key was lost, which the reconciler repairs.
+
+use crate::domain::Millis;
+use crate::keystore::{Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
+
+use super::{Engine, EngineError};
+
+impl<K: KeyStore> Engine<K> {
+    /// Releases the orphaned holds on `balance`; returns how many this call released.
+    pub async fn release_orphans(&self, balance: &str) -> Result<usize, EngineError> {
+        let Some(current) = self.keys.balance(balance).await? else { return Ok(0) };
+        let now = Millis::now();
+        let mut released = 0;
+        for hold in current.holds.iter().filter(|h| h.state == HoldState::Held && h.at.plus(self.settings.lease) < now)
+        {
+            if !self.orphaned(hold).await? {
+                continue;
+            }
+            if self.keys.conclude_hold(balance, hold.by.id, Conclusion::Release).await? == Concluded::Now {
+                tracing::warn!(balance, request = %hold.by.id, key = %hold.by.key, "released a hold whose request is gone");
+                metrics::counter!("keyfence_orphaned_holds_released_total").increment(1);
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Whether nothing stands behind `hold` any more.
+    async fn orphaned(&self, hold: &HoldEntry) -> Result<bool, EngineError> {
+        let by = &hold.by;
+        if self.keys.get(&by.key).await?.is_some_and(|item| item.created_at == by.created_at) {
+            return Ok(false);
+        }
+        if by.region == self.settings.region {
+            let held = self.ledger.views(&[(by.key.clone(), by.created_at)]).await?;
+            return Ok(held.is_empty());
+        }
+        Ok(true)
+    }
+}

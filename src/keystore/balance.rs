@@ -1,0 +1,310 @@
+//! Balances: an amount that requests draw on with holds, kept in one
+//! control item of the key table, so every region draws on the same one
+//! (a payment's refundable amount, say: no two regions' refunds can
+//! together exceed it). A hold is taken with one conditional write,
+//! conditioned on what is left and on the hold not existing yet, so a
+//! retried hold is recognised rather than doubled; it is settled (kept for
+//! good) or released (given back) once, and stays in the item as the
+//! record of which it was, so neither happens twice.
+//!
+//! Item: `pk = control#balance#{name}`; `total` (what the balance allows
+//! in all, fixed by the first hold), `reserved` (held and settled),
+//! `settled`; and one attribute per hold, `hold#{request id}`, a map of its
+//! amount, state and the request that took it.
+
+use std::collections::HashMap;
+
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::types::AttributeValue;
+use uuid::Uuid;
+
+use super::dynamo::{Failure, classify, store_error};
+use super::item::{CONTROL_PREFIX, attr, malformed, n, s};
+use super::{KeyStoreError, StoreFailure};
+use crate::domain::{ClientId, IdempotencyKey, Millis, ScopedKey};
+
+type Attrs = HashMap<String, AttributeValue>;
+
+/// A hold a request takes on a balance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hold {
+    /// Which balance (one per thing it limits, e.g. `refundable#payment#{id}`).
+    pub balance: String,
+    /// What the balance allows in all: fixed when it is first drawn on.
+    pub total: i64,
+    pub amount: i64,
+}
+
+/// The request taking a hold: its id, its key and the key's `created_at`
+/// (which request under the key), and the region working it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldBy {
+    pub id: Uuid,
+    pub key: ScopedKey,
+    pub created_at: Millis,
+    pub region: String,
+}
+
+/// What taking a hold came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holding {
+    /// Held now, or by an earlier attempt of the same request.
+    Held,
+    /// Not held: the balance has only `left` to give.
+    Exceeded { left: i64 },
+}
+
+/// How a hold ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Conclusion {
+    /// Kept for good: the request did what it held the amount for.
+    Settle,
+    /// Given back: the request did not.
+    Release,
+}
+
+/// What concluding a hold came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Concluded {
+    /// Concluded by this call.
+    Now,
+    /// Concluded so before (an earlier attempt, a retried write).
+    Already,
+    /// The balance holds no such hold.
+    Missing,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldState {
+    Held,
+    Settled,
+    Released,
+}
+
+impl HoldState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HoldState::Held => "held",
+            HoldState::Settled => "settled",
+            HoldState::Released => "released",
+        }
+    }
+
+    fn parse(stored: &str) -> Result<Self, KeyStoreError> {
+        match stored {
+            "held" => Ok(HoldState::Held),
+            "settled" => Ok(HoldState::Settled),
+            "released" => Ok(HoldState::Released),
+            other => Err(malformed("hold state", other)),
+        }
+    }
+}
+
+/// One hold as the balance records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HoldEntry {
+    pub by: HeldBy,
+    pub amount: i64,
+    pub state: HoldState,
+    /// When it was taken.
+    pub at: Millis,
+}
+
+/// A balance as it stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Balance {
+    pub total: i64,
+    /// Held and settled together: what is no longer left.
+    pub reserved: i64,
+    pub settled: i64,
+    pub holds: Vec<HoldEntry>,
+}
+
+impl Balance {
+    pub fn left(&self) -> i64 {
+        self.total - self.reserved
+    }
+
+    pub fn hold(&self, id: Uuid) -> Option<&HoldEntry> {
+        self.holds.iter().find(|h| h.by.id == id)
+    }
+}
+
+pub(super) fn partition_key(balance: &str) -> String {
+    format!("{CONTROL_PREFIX}balance#{balance}")
+}
+
+fn hold_attr(id: Uuid) -> String {
+    format!("hold#{id}")
+}
+
+/// Takes `hold` for `by` at `now`. A failed condition is read back
+/// (consistently) to tell a hold already taken from a balance too small.
+pub(super) async fn take(
+    client: &Client,
+    table: &str,
+    hold: &Hold,
+    by: &HeldBy,
+    now: Millis,
+) -> Result<Holding, KeyStoreError> {
+    if hold.amount <= 0 || hold.amount > hold.total {
+        return Ok(Holding::Exceeded { left: hold.total });
+    }
+    let entry = AttributeValue::M(HashMap::from([
+        ("amount".to_owned(), n(hold.amount.unsigned_abs())),
+        ("state".to_owned(), s(HoldState::Held.as_str())),
+        (attr::CLIENT_ID.to_owned(), s(by.key.client.to_string())),
+        (attr::KEY.to_owned(), s(by.key.key.as_str())),
+        (attr::CREATED_AT.to_owned(), n(by.created_at.get())),
+        ("region".to_owned(), s(by.region.as_str())),
+        ("at".to_owned(), n(now.get())),
+    ]));
+    // A balance whose holds came and went can be taken from again; a
+    // retried hold finds its own entry and is recognised below.
+    for _ in 0..3 {
+        let sent = client
+            .update_item()
+            .table_name(table)
+            .key(attr::PK, s(partition_key(&hold.balance)))
+            .update_expression(
+                "SET #total = if_not_exists(#total, :total), #settled = if_not_exists(#settled, :zero), \
+                 #reserved = if_not_exists(#reserved, :zero) + :n, #hold = :entry",
+            )
+            .condition_expression(
+                "attribute_not_exists(#hold) AND (attribute_not_exists(#total) OR #total = :total) \
+                 AND (attribute_not_exists(#reserved) OR #reserved <= :limit)",
+            )
+            .expression_attribute_names("#total", "total")
+            .expression_attribute_names("#settled", "settled")
+            .expression_attribute_names("#reserved", "reserved")
+            .expression_attribute_names("#hold", hold_attr(by.id))
+            .expression_attribute_values(":total", n(hold.total.unsigned_abs()))
+            .expression_attribute_values(":zero", n(0))
+            .expression_attribute_values(":n", n(hold.amount.unsigned_abs()))
+            .expression_attribute_values(":limit", n((hold.total - hold.amount).unsigned_abs()))
+            .expression_attribute_values(":entry", entry.clone())
+            .send()
+            .await;
+        match sent.map_err(classify) {
+            Ok(_) => return Ok(Holding::Held),
+            Err(Failure::Condition(_)) => {}
+            Err(Failure::Store(e)) => return Err(e),
+        }
+        let balance = read(client, table, &hold.balance).await?.unwrap_or_default();
+        if balance.total != 0 && balance.total != hold.total {
+            return Err(KeyStoreError::Fault(StoreFailure::said(format!(
+                "balance {} allows {}, not {}",
+                hold.balance, balance.total, hold.total
+            ))));
+        }
+        match balance.hold(by.id).map(|h| h.state) {
+            Some(HoldState::Held | HoldState::Settled) => return Ok(Holding::Held),
+            Some(HoldState::Released) => {
+                return Err(KeyStoreError::Fault(StoreFailure::said(format!(
+                    "the hold of {} on {} was released before its request began",
+                    by.id, hold.balance
+                ))));
+            }
+            // Given back since the refusal: try again.
+            None if balance.left() >= hold.amount => continue,
+            None => return Ok(Holding::Exceeded { left: balance.left() }),
+        }
+    }
+    Ok(Holding::Exceeded { left: read(client, table, &hold.balance).await?.unwrap_or_default().left() })
+}
+
+/// Concludes the hold of request `id` on `balance`, once.
+pub(super) async fn conclude(
+    client: &Client,
+    table: &str,
+    balance: &str,
+    id: Uuid,
+    how: Conclusion,
+) -> Result<Concluded, KeyStoreError> {
+    let (sum, sign, to) = match how {
+        Conclusion::Settle => ("settled", "+", HoldState::Settled),
+        Conclusion::Release => ("reserved", "-", HoldState::Released),
+    };
+    let sent = client
+        .update_item()
+        .table_name(table)
+        .key(attr::PK, s(partition_key(balance)))
+        .update_expression(format!("SET #hold.#state = :to, #sum = #sum {sign} #hold.#amount"))
+        .condition_expression("#hold.#state = :held")
+        .expression_attribute_names("#hold", hold_attr(id))
+        .expression_attribute_names("#state", "state")
+        .expression_attribute_names("#amount", "amount")
+        .expression_attribute_names("#sum", sum)
+        .expression_attribute_values(":to", s(to.as_str()))
+        .expression_attribute_values(":held", s(HoldState::Held.as_str()))
+        .send()
+        .await;
+    match sent.map_err(classify) {
+        Ok(_) => Ok(Concluded::Now),
+        Err(Failure::Condition(_)) => {
+            let now = read(client, table, balance).await?.unwrap_or_default();
+            match now.hold(id).map(|h| h.state) {
+                None => Ok(Concluded::Missing),
+                Some(state) if state == to => Ok(Concluded::Already),
+                Some(state) => Err(KeyStoreError::Fault(StoreFailure::said(format!(
+                    "the hold of {id} on {balance} is {}, so it cannot be {}",
+                    state.as_str(),
+                    to.as_str()
+                )))),
+            }
+        }
+        Err(Failure::Store(e)) => Err(e),
+    }
+}
+
+/// The balance as it stands (a consistent read); `None` if nothing was ever held on it.
+pub(super) async fn read(client: &Client, table: &str, balance: &str) -> Result<Option<Balance>, KeyStoreError> {
+    let out = client
+        .get_item()
+        .table_name(table)
+        .key(attr::PK, s(partition_key(balance)))
+        .consistent_read(true)
+        .send()
+        .await
+        .map_err(store_error)?;
+    out.item().map(decode).transpose()
+}
+
+fn decode(attrs: &Attrs) -> Result<Balance, KeyStoreError> {
+    let number = |attrs: &Attrs, name: &str| -> Result<i64, KeyStoreError> {
+        match attrs.get(name) {
+            Some(AttributeValue::N(v)) => v.parse().map_err(|e| malformed(name, e)),
+            None => Ok(0),
+            Some(_) => Err(malformed(name, "not a number")),
+        }
+    };
+    let text = |attrs: &'_ Attrs, name: &str| -> Result<String, KeyStoreError> {
+        attrs.get(name).and_then(|v| v.as_s().ok()).cloned().ok_or_else(|| malformed(name, "missing"))
+    };
+    let mut holds = Vec::new();
+    for (name, value) in attrs {
+        let Some(id) = name.strip_prefix("hold#") else { continue };
+        let id: Uuid = id.parse().map_err(|e| malformed(name, e))?;
+        let entry = value.as_m().map_err(|_| malformed(name, "not a map"))?;
+        let client: ClientId = text(entry, attr::CLIENT_ID)?.parse().map_err(|e| malformed(attr::CLIENT_ID, e))?;
+        let key = IdempotencyKey::parse(&text(entry, attr::KEY)?).map_err(|e| malformed(attr::KEY, e))?;
+        holds.push(HoldEntry {
+            by: HeldBy {
+                id,
+                key: ScopedKey::new(client, key),
+                created_at: Millis::new(number(entry, attr::CREATED_AT)?.unsigned_abs()),
+                region: text(entry, "region")?,
+            },
+            amount: number(entry, "amount")?,
+            state: HoldState::parse(&text(entry, "state")?)?,
+            at: Millis::new(number(entry, "at")?.unsigned_abs()),
+        });
+    }
+    holds.sort_by_key(|h| (h.at, h.by.id));
+    Ok(Balance {
+        total: number(attrs, "total")?,
+        reserved: number(attrs, "reserved")?,
+        settled: number(attrs, "settled")?,
+        holds,
+    })
+}

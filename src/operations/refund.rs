@@ -1,0 +1,236 @@
+//! The refund operation: money of a settled payment goes back from its
+//! creditor to its debtor, once. Before its first phase the engine takes
+//! the refund's hold on the payment's refundable balance (one conditional
+//! write in the key table, shared by every region), so no two refunds,
+//! wherever they are worked, together exceed the payment. Its steps:
+//! - `R1_DONE`: the refund row (pending) and a hold on the creditor's funds;
+//! - `REFUND_SENT` / `REFUND_DONE`: the refund instruction at E2, the
+//!   payment rail, under its own derived key;
+//! - `FINISHED`: the held funds go to the debtor, the refund succeeds,
+//!   `refund.succeeded` is queued, and the 201 answer is built (the hold on
+//!   the balance is then settled).
+//!
+//! If the rail declines it, that phase gives the creditor its funds back,
+//! marks the refund `rejected` with the reason, queues `refund.rejected`
+//! and answers 402 (and the balance's hold is released, so a later refund
+//! may have the amount). A refund whose outcome stays unknown so long it is
+//! listed for settlement is marked `indeterminate` and queues
+//! `refund.indeterminate`. Its postings are the refund's own and sum to zero.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::domain::{RecoveryPoint, RefundRequest, StoredResponse};
+use crate::engine::{EngineError, ExternalStep, Operation, Step, StepContext};
+use crate::keystore::Hold;
+use crate::ledger::payments::{self, Leg};
+use crate::ledger::refunds::{self, NewRefund, Refund};
+use crate::rail::{Declined, Instruction};
+use crate::webhooks;
+
+use super::{PAYMENT_RAIL, rail_result};
+
+const R1_DONE: RecoveryPoint = RecoveryPoint::named("R1_DONE");
+
+static STEPS: [Step; 3] = [
+    Step::Local(R1_DONE),
+    Step::External(ExternalStep {
+        name: "refund",
+        rail: PAYMENT_RAIL,
+        sent: RecoveryPoint::named("REFUND_SENT"),
+        done: RecoveryPoint::named("REFUND_DONE"),
+    }),
+    Step::Local(RecoveryPoint::FINISHED),
+];
+
+/// What the payment refunded is, as far as a refund needs it: read when
+/// the refund is accepted (from whichever region holds the payment) and
+/// kept with the request, so a resume in any region works on the same.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RefundedPayment {
+    pub id: Uuid,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub debtor_account: String,
+    pub creditor_account: String,
+    pub end_to_end_id: String,
+}
+
+/// A refund as accepted: the client's request and the payment it refunds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RefundOrder {
+    pub refund: RefundRequest,
+    pub payment: RefundedPayment,
+}
+
+pub struct RefundOperation {
+    order: RefundOrder,
+}
+
+impl RefundOperation {
+    pub const NAME: &'static str = "refund";
+
+    pub fn new(order: RefundOrder) -> Self {
+        Self { order }
+    }
+
+    /// Rebuilds the operation from the canonical request kept with the key.
+    pub fn from_canonical(request: &[u8]) -> Result<Self, EngineError> {
+        let order: RefundOrder =
+            serde_json::from_slice(request).map_err(|e| EngineError::Fault(format!("stored refund: {e}")))?;
+        Ok(Self::new(order))
+    }
+
+    /// The balance a payment's refunds draw on.
+    pub fn balance_of(payment: Uuid) -> String {
+        format!("refundable#payment#{payment}")
+    }
+
+    async fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) -> Result<(), EngineError> {
+        let amount = self.order.refund.amount_minor;
+        let legs = [Leg { account: from, amount_minor: -amount }, Leg { account: to, amount_minor: amount }];
+        payments::post(cx.conn, cx.request.payment_id, entry, &self.order.payment.currency, &legs, cx.fence).await?;
+        Ok(())
+    }
+
+    fn creditor_account(&self) -> String {
+        format!("creditor:{}", self.order.payment.creditor_account)
+    }
+
+    fn hold_account(&self) -> String {
+        format!("hold:{}", self.order.payment.creditor_account)
+    }
+
+    async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
+        let rail = rail_result(cx.conn, cx.request, "refund").await?;
+        self.transfer(cx, "refund", &self.hold_account(), &format!("debtor:{}", self.order.payment.debtor_account))
+            .await?;
+        let refund =
+            refunds::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), None, cx.fence)
+                .await?;
+        queue_event(cx, &refund, "refund.succeeded").await?;
+        let body = serde_json::to_vec(&refund).map_err(|e| EngineError::Fault(e.to_string()))?;
+        Ok(StoredResponse {
+            status: 201,
+            headers: BTreeMap::from([
+                ("content-type".to_owned(), "application/json".to_owned()),
+                ("location".to_owned(), format!("/v1/refunds/{}", refund.id)),
+            ]),
+            body,
+        })
+    }
+}
+
+/// Queues webhook event `event` about `refund`, in the phase that causes it.
+async fn queue_event(cx: &mut StepContext<'_>, refund: &Refund, event: &str) -> Result<(), EngineError> {
+    let data = serde_json::to_value(refund).map_err(|e| EngineError::Fault(e.to_string()))?;
+    webhooks::queue::event(cx.conn, cx.request.key.client, refund.id, event, &data).await?;
+    Ok(())
+}
+
+/// The final answer of a declined refund: RFC 9457 problem+json, with the
+/// reason code and the refund's id so the client can look it up.
+fn declined_answer(refund_id: Uuid, declined: &Declined) -> StoredResponse {
+    let body = serde_json::json!({
+        "type": "urn:keyfence:problem:refund-declined",
+        "title": "Refund declined",
+        "status": 402,
+        "detail": format!("The refund was declined by the payment rail: {}.", declined.reason),
+        "reason": declined.reason_code,
+        "id": refund_id,
+    });
+    StoredResponse {
+        status: 402,
+        headers: BTreeMap::from([
+            ("content-type".to_owned(), "application/problem+json".to_owned()),
+            ("location".to_owned(), format!("/v1/refunds/{refund_id}")),
+        ]),
+        body: body.to_string().into_bytes(),
+    }
+}
+
+impl Operation for RefundOperation {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn steps(&self) -> &'static [Step] {
+        &STEPS
+    }
+
+    async fn local(
+        &self,
+        point: &RecoveryPoint,
+        cx: &mut StepContext<'_>,
+    ) -> Result<Option<StoredResponse>, EngineError> {
+        if *point == R1_DONE {
+            let (order, payment) = (&self.order.refund, &self.order.payment);
+            let refund = NewRefund {
+                payment_id: payment.id,
+                amount_minor: order.amount_minor,
+                currency: &payment.currency,
+                debtor_account: &payment.debtor_account,
+                creditor_account: &payment.creditor_account,
+                reason: order.reason.as_deref(),
+            };
+            refunds::insert(cx.conn, cx.request, &refund, cx.fence).await?;
+            self.transfer(cx, "hold", &self.creditor_account(), &self.hold_account()).await?;
+            Ok(None)
+        } else if *point == RecoveryPoint::FINISHED {
+            self.finish(cx).await.map(Some)
+        } else {
+            Err(EngineError::Fault(format!("the refund has no local step {point}")))
+        }
+    }
+
+    async fn declined(
+        &self,
+        _step: &ExternalStep,
+        declined: &Declined,
+        cx: &mut StepContext<'_>,
+    ) -> Result<StoredResponse, EngineError> {
+        self.transfer(cx, "release", &self.hold_account(), &self.creditor_account()).await?;
+        let refund = refunds::set_status(
+            cx.conn,
+            cx.request.payment_id,
+            "rejected",
+            None,
+            Some(&declined.reason_code),
+            cx.fence,
+        )
+        .await?;
+        queue_event(cx, &refund, "refund.rejected").await?;
+        Ok(declined_answer(refund.id, declined))
+    }
+
+    async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
+        let refund = refunds::set_status(cx.conn, cx.request.payment_id, "indeterminate", None, None, cx.fence).await?;
+        queue_event(cx, &refund, "refund.indeterminate").await
+    }
+
+    /// Money back from the payment's creditor to its debtor, naming the
+    /// payment's own end-to-end reference, as a return of it does.
+    fn instruction(&self, _step: &ExternalStep) -> Instruction {
+        let payment = &self.order.payment;
+        Instruction {
+            originator: String::new(),
+            end_to_end_id: payment.end_to_end_id.clone(),
+            amount_minor: self.order.refund.amount_minor,
+            currency: payment.currency.clone(),
+            debtor_account: payment.creditor_account.clone(),
+            creditor_account: payment.debtor_account.clone(),
+        }
+    }
+
+    fn hold(&self) -> Option<Hold> {
+        Some(Hold {
+            balance: Self::balance_of(self.order.payment.id),
+            total: self.order.payment.amount_minor,
+            amount: self.order.refund.amount_minor,
+        })
+    }
+}
