@@ -77,7 +77,7 @@ pub async fn sweep<K: KeyStore>(keys: &K, options: Options, progress: &impl Prog
             let mut cursor = None;
             loop {
                 let (items, next) = match keys.scan(segment, segments, cursor).await {
-                    Ok(page) => page,
+                    Ok(page) => (page.items, page.next),
                     Err(e) => {
                         lock(&report).failures.push(format!("scanning segment {segment}: {e}"));
                         return;

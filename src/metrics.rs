@@ -18,7 +18,9 @@
 //! | `keyfence_fenced_out_total` | `store` | an owner refused by the `key_store` or the `ledger` |
 //! | `keyfence_hand_backs_total` | `how` | `forget` or `reopen` |
 //! | `keyfence_unknown_outcomes_total`, `keyfence_indeterminate_total` | `step` | external outcomes unknown; marked indeterminate |
-//! | `keyfence_declines_total` | `step` | declined by screening (`ext1`) or the rail (`ext2`) |
+//! | `keyfence_declines_total` | `step` | declined by screening (`ext1`) or the rail (`ext2`, and `refund` for refunds) |
+//! | `keyfence_holds_exceeded_total` | | holds on a balance that did not fit (a refund over what is left: 422) |
+//! | `keyfence_orphaned_holds_released_total` | | holds whose request was gone, given back when a later hold needed the room |
 //! | `keyfence_recovery_sweeps_total`, `keyfence_recovery_outcomes_total` | `outcome` | sweeps (`completed`, `failed`), and what became of each key found |
 //! | `keyfence_indeterminate_requests`, `keyfence_indeterminate_oldest_seconds` | | the region's external calls marked indeterminate, and the age of the oldest request among them, at the last sweep (gauges) |
 //! | `keyfence_region_declared_failed` | `region` | 1 while that region is declared failed (a gauge) |
@@ -88,7 +90,15 @@ fn describe() {
     describe_counter!("keyfence_hand_backs_total", "Keys handed back unworked, by how");
     describe_counter!("keyfence_unknown_outcomes_total", "External calls whose outcome is unknown, by step");
     describe_counter!("keyfence_indeterminate_total", "External calls marked indeterminate for settlement, by step");
-    describe_counter!("keyfence_declines_total", "Payments declined, by the step that declined them");
+    describe_counter!("keyfence_declines_total", "Payments and refunds declined, by the step that declined them");
+    describe_counter!(
+        "keyfence_holds_exceeded_total",
+        "Holds on a balance refused for lack of room (refunds over what is left)"
+    );
+    describe_counter!(
+        "keyfence_orphaned_holds_released_total",
+        "Holds whose request was gone, released when the room was needed"
+    );
     describe_counter!("keyfence_recovery_sweeps_total", "Recovery sweeps, completed or failed (some key not resumed)");
     describe_counter!("keyfence_recovery_outcomes_total", "What recovery sweeps did with each stale key, by outcome");
     describe_gauge!(

@@ -62,6 +62,9 @@ pub struct SweepReport {
     pub lost: usize,
     /// Homed in another region: left alone.
     pub other_region: usize,
+    /// Given up: a hold that no longer fits its balance (nothing of the
+    /// request was held or committed).
+    pub given_up: usize,
     /// Keys that could not be resumed, with why (they will be tried again).
     pub failed: Vec<Failure>,
     /// External calls whose outcome stays unknown, for settlement.
@@ -150,10 +153,11 @@ pub async fn sweep<K: KeyStore>(
                 report.lost += 1;
                 "lost"
             }
-            Ok(Recovery::Resumed(Answer::Exceeded { left })) => {
-                let error = format!("its hold is more than its balance has left ({left}); it waits for one released");
-                report.failed.push(Failure { key: stale.key.to_string(), error });
-                "failed"
+            // Its first owner died before its hold was taken, and the
+            // balance has no room left: given up, as its client was told.
+            Ok(Recovery::Resumed(Answer::Exceeded { .. })) => {
+                report.given_up += 1;
+                "given_up"
             }
             Ok(Recovery::NotHome) => {
                 report.other_region += 1;
@@ -255,6 +259,7 @@ impl SweepReport {
             ("still pending", self.pending),
             ("taken by others", self.lost),
             ("other region", self.other_region),
+            ("given up", self.given_up),
             ("failed", self.failed.len()),
         ];
         let mut out = format!("stale in-flight keys found: {}\n", self.found);

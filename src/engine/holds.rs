@@ -4,9 +4,11 @@
 //! back fails too, the hold is held for nobody. It is found by its key: a
 //! hold held for longer than a lease whose key no longer names its
 //! request (the key is gone, or names a later request) has nothing behind
-//! it, and is released, once (the balance records it). A hold whose
-//! request this region's ledger still holds is left alone even then: its
-//! key was lost, which the reconciler repairs.
+//! it, and is released, once (the balance records it). Only holds taken
+//! in this region are judged here, and only if this region's ledger never
+//! wrote their request: one it holds lost its key, which the reconciler
+//! repairs; another region's hold is that region's to judge, against its
+//! own ledger.
 
 use crate::domain::Millis;
 use crate::keystore::{Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
@@ -34,15 +36,13 @@ impl<K: KeyStore> Engine<K> {
     }
 
     /// Whether nothing stands behind `hold` any more.
-    async fn orphaned(&self, hold: &HoldEntry) -> Result<bool, EngineError> {
+    pub async fn orphaned(&self, hold: &HoldEntry) -> Result<bool, EngineError> {
         let by = &hold.by;
-        if self.keys.get(&by.key).await?.is_some_and(|item| item.created_at == by.created_at) {
+        if by.region != self.settings.region
+            || self.keys.get(&by.key).await?.is_some_and(|item| item.created_at == by.created_at)
+        {
             return Ok(false);
         }
-        if by.region == self.settings.region {
-            let held = self.ledger.views(&[(by.key.clone(), by.created_at)]).await?;
-            return Ok(held.is_empty());
-        }
-        Ok(true)
+        Ok(self.ledger.views(&[(by.key.clone(), by.created_at)]).await?.is_empty())
     }
 }

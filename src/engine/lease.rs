@@ -21,6 +21,10 @@ pub(super) struct Attempt {
     /// A commit was sent: even if its answer was lost, the ledger may hold
     /// work, so the key must never be forgotten.
     pub commit_attempted: bool,
+    /// The operation's hold was sent, and may have been taken whatever the
+    /// answer: the key must not be forgotten either (its hold would be
+    /// left for nobody).
+    pub hold_sent: bool,
     /// This attempt made the claim itself: no earlier attempt can have sent
     /// anything, so its calls need no probe first. Every other attempt (a
     /// takeover, a rebuild) probes before any send.
@@ -46,16 +50,17 @@ impl Attempt {
             lease_until: item.lease_until,
             at,
             commit_attempted: false,
+            hold_sent: false,
             fresh,
             known_answer: None,
         }
     }
 
     /// Whether handing the key back forgets it: this attempt made the claim
-    /// and no commit was ever attempted (a commit whose answer was lost may
+    /// and no commit or hold was ever sent (one whose answer was lost may
     /// have landed), so nothing of the request exists anywhere else.
     pub fn forgettable(&self) -> bool {
-        self.fresh && self.at == RecoveryPoint::STARTED && !self.commit_attempted
+        self.fresh && self.at == RecoveryPoint::STARTED && !self.commit_attempted && !self.hold_sent
     }
 
     /// Extends the lease if a third of it is gone.

@@ -80,7 +80,7 @@ pub trait Operation: Send + Sync {
     fn instruction(&self, step: &ExternalStep) -> Instruction;
 
     /// A hold the request takes on a balance in the key store before its
-    /// first phase (a refund on what is left of its payment), if it needs
+    /// first phase (an amount of what an earlier request left to give), if it needs
     /// one. The engine takes it once per request (a retried hold is
     /// recognised), answers [`super::Answer::Exceeded`] without storing
     /// anything when the balance is too small, and concludes it when the

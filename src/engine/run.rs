@@ -118,18 +118,18 @@ impl<K: KeyStore> Engine<K> {
     pub(super) async fn drive<O: Operation>(&self, op: &O, attempt: &mut Attempt) -> Result<Answer, EngineError> {
         let result = self.drive_to_answer(op, attempt).await;
         if let Err(e) = &result {
-            if e.hands_back() && attempt.forgettable() {
-                self.give_back_hold(op, attempt).await;
-            }
             self.stopped(attempt, e).await;
         }
         result
     }
 
     /// Takes the operation's hold, before its first phase; `Some` answer
-    /// if the balance is too small (the key is handed back: nothing was
-    /// stored, and a claim of this attempt's own is forgotten).
-    async fn take_hold<O: Operation>(&self, op: &O, attempt: &Attempt) -> Result<Option<Answer>, EngineError> {
+    /// if the balance is too small. Nothing was held, committed or stored
+    /// then, so the request is given up: this attempt's own claim is
+    /// forgotten; a request taken over (its first owner died before its hold
+    /// was taken) is voided in the ledger under this attempt's fence and its
+    /// key deleted, so nobody resumes it later behind the client's back.
+    async fn take_hold<O: Operation>(&self, op: &O, attempt: &mut Attempt) -> Result<Option<Answer>, EngineError> {
         let Some(hold) = op.hold() else { return Ok(None) };
         let by = HeldBy {
             id: attempt.record.payment_id,
@@ -138,6 +138,8 @@ impl<K: KeyStore> Engine<K> {
             region: self.settings.region.clone(),
         };
         failpoint::boundary(|| "before-hold".to_owned());
+        // Like a commit: once sent, the hold may have been taken, whatever the answer.
+        attempt.hold_sent = true;
         let mut holding = self.keys.hold(&hold, &by, Millis::now()).await?;
         // What is left may be held for requests that are gone: given back, it may be enough.
         if let Holding::Exceeded { .. } = holding
@@ -145,28 +147,35 @@ impl<K: KeyStore> Engine<K> {
         {
             holding = self.keys.hold(&hold, &by, Millis::now()).await?;
         }
-        match holding {
-            Holding::Held => {
-                failpoint::boundary(|| "after-hold".to_owned());
-                Ok(None)
-            }
-            Holding::Exceeded { left } => {
-                metrics::counter!("keyfence_holds_exceeded_total").increment(1);
-                self.hand_back(attempt).await;
-                Ok(Some(Answer::Exceeded { left }))
-            }
+        let Holding::Exceeded { left } = holding else {
+            failpoint::boundary(|| "after-hold".to_owned());
+            return Ok(None);
+        };
+        metrics::counter!("keyfence_holds_exceeded_total").increment(1);
+        // The balance, read consistently, holds nothing for this request.
+        attempt.hold_sent = false;
+        if attempt.forgettable() {
+            self.hand_back(attempt).await;
+        } else {
+            self.give_up(attempt).await;
         }
+        Ok(Some(Answer::Exceeded { left }))
     }
 
-    /// Gives back the hold of a request about to be forgotten (nothing of
-    /// it was committed), so its amount is not held for nobody. If this
-    /// fails, the hold is an orphan: its request's key is gone, which is
-    /// how it is found and released later ([`Engine::release_orphans`]).
-    async fn give_back_hold<O: Operation>(&self, op: &O, attempt: &Attempt) {
-        let Some(hold) = op.hold() else { return };
-        let id = attempt.record.payment_id;
-        if let Err(e) = self.keys.conclude_hold(&hold.balance, id, Conclusion::Release).await {
-            tracing::warn!(key = %attempt.record.key, error = %e, "could not give back the hold of a request handed back");
+    /// Gives up a request taken over before anything of it was held or
+    /// committed: its ledger row (adopted at `STARTED`) is voided under this
+    /// attempt's fence, then its key is deleted. If either fails, the key
+    /// is handed back and the next attempt decides again.
+    async fn give_up(&self, attempt: &Attempt) {
+        let fence = attempt.holder.fence;
+        let gone = async {
+            self.ledger.void(&attempt.record, fence, &RecoveryPoint::STARTED).await?;
+            self.keys.release(&attempt.record.key, &attempt.holder, Release::Abandon).await?;
+            Ok::<_, EngineError>(())
+        };
+        if let Err(e) = gone.await {
+            tracing::warn!(key = %attempt.record.key, error = %e, "could not give up a request whose hold does not fit");
+            self.hand_back(attempt).await;
         }
     }
 

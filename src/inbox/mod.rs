@@ -12,7 +12,8 @@
 //! - a return of a settled payment is applied in a phase of its own
 //!   ([`apply_return`]): compensating entries, the payment `returned`,
 //!   `payment.returned` queued, the message marked applied, all at once; a
-//!   return that arrives before its payment has settled waits for it;
+//!   return that arrives before its payment has settled waits for it, and
+//!   one of a payment with refunds (made or in flight) is kept for a person;
 //! - a message naming no instruction of this ledger is kept (state
 //!   `unknown`) for the reconciler.
 //!
@@ -29,7 +30,7 @@ use crate::engine::{Engine, EngineError};
 use crate::keystore::{KeyState, KeyStore};
 use crate::ledger::LedgerError;
 use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
-use crate::operations::{Registered, ReturnEffect, apply_return as apply_payment_return};
+use crate::operations::{RefundOperation, Registered, ReturnEffect, apply_return as apply_payment_return};
 use crate::rail::{Notice, Returned};
 
 /// The secret each rail signs its notifications with, by the name in its
@@ -173,6 +174,15 @@ pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingRetu
             region = item.home_region,
             "a return for a payment that moved; kept for the reconciler"
         );
+        return Ok(());
+    }
+    // Money refunded (or held for a refund in flight) would go back twice.
+    let refunds = engine.keys().balance(&RefundOperation::balance_of(pending.payment_id)).await?;
+    if let Some(refunded) = refunds.filter(|b| b.reserved > 0) {
+        let why = "the payment has refunds, made or in flight: the return overlaps them; settle it with the rail";
+        settle_message(&mut tx, &pending.rail, &pending.message_id, "unknown", Some(why)).await?;
+        tx.commit().await.map_err(LedgerError::from)?;
+        tracing::warn!(id = pending.message_id, refunded = refunded.reserved, "a return of a refunded payment; kept");
         return Ok(());
     }
     let effect = apply_payment_return(&mut tx, pending.payment_id, &returned).await?;

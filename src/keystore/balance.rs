@@ -134,12 +134,18 @@ pub(super) fn partition_key(balance: &str) -> String {
     format!("{CONTROL_PREFIX}balance#{balance}")
 }
 
+/// The balance a partition key names, if it names one.
+pub(super) fn name_of(pk: &str) -> Option<&str> {
+    pk.strip_prefix(CONTROL_PREFIX)?.strip_prefix("balance#")
+}
+
 fn hold_attr(id: Uuid) -> String {
     format!("hold#{id}")
 }
 
 /// Takes `hold` for `by` at `now`. A failed condition is read back
-/// (consistently) to tell a hold already taken from a balance too small.
+/// (consistently) to tell a hold already taken (in whatever state: a
+/// request holds once) from a balance too small.
 pub(super) async fn take(
     client: &Client,
     table: &str,
@@ -197,20 +203,18 @@ pub(super) async fn take(
                 hold.balance, balance.total, hold.total
             ))));
         }
-        match balance.hold(by.id).map(|h| h.state) {
-            Some(HoldState::Held | HoldState::Settled) => return Ok(Holding::Held),
-            Some(HoldState::Released) => {
-                return Err(KeyStoreError::Fault(StoreFailure::said(format!(
-                    "the hold of {} on {} was released before its request began",
-                    by.id, hold.balance
-                ))));
-            }
+        match balance.hold(by.id) {
+            // Taken before (and perhaps concluded since, where its request
+            // finished before this attempt resumed it): a request holds once.
+            Some(_) => return Ok(Holding::Held),
             // Given back since the refusal: try again.
             None if balance.left() >= hold.amount => continue,
             None => return Ok(Holding::Exceeded { left: balance.left() }),
         }
     }
-    Ok(Holding::Exceeded { left: read(client, table, &hold.balance).await?.unwrap_or_default().left() })
+    // Refused three times, yet there was room each time: others' holds
+    // came and went meanwhile. Not a verdict on the amount: try again later.
+    Err(KeyStoreError::Unavailable(StoreFailure::said(format!("balance {} is contended", hold.balance))))
 }
 
 /// Concludes the hold of request `id` on `balance`, once.
@@ -270,7 +274,7 @@ pub(super) async fn read(client: &Client, table: &str, balance: &str) -> Result<
     out.item().map(decode).transpose()
 }
 
-fn decode(attrs: &Attrs) -> Result<Balance, KeyStoreError> {
+pub(super) fn decode(attrs: &Attrs) -> Result<Balance, KeyStoreError> {
     let number = |attrs: &Attrs, name: &str| -> Result<i64, KeyStoreError> {
         match attrs.get(name) {
             Some(AttributeValue::N(v)) => v.parse().map_err(|e| malformed(name, e)),

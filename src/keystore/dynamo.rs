@@ -25,7 +25,7 @@ use super::balance::{Balance, Concluded, Conclusion, HeldBy, Hold, Holding};
 use super::item::{CONTROL_PREFIX, attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{
     Claim, Finish, Handoff, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release,
-    StaleKey, StoreFailure, balance, handoff,
+    ScanPage, StaleKey, StoreFailure, balance, handoff,
 };
 use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
@@ -409,9 +409,9 @@ impl KeyStore for DynamoKeyStore {
     #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", pk = %key, fence = %holder.fence, how = ?how))]
     async fn release(&self, key: &ScopedKey, holder: &Holder, how: Release) -> Result<(), KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "release")]);
-        let how = if holder.fence == Fence::FIRST { how } else { Release::Reopen };
+        let how = if how == Release::Forget && holder.fence != Fence::FIRST { Release::Reopen } else { how };
         let sent = match how {
-            Release::Forget => self
+            Release::Forget | Release::Abandon => self
                 .client
                 .delete_item()
                 .table_name(&self.table)
@@ -433,7 +433,7 @@ impl KeyStore for DynamoKeyStore {
             // and nobody claimed it since. Either way nothing of anyone's
             // is left to protect. An item that exists is never read as ours
             // unless the condition (fence and identity) held.
-            Err(Failure::Condition(None)) if how == Release::Forget => Ok(()),
+            Err(Failure::Condition(None)) if how != Release::Reopen => Ok(()),
             Err(failure) => Err(fenced_out(failure)?),
         }
     }
@@ -495,12 +495,7 @@ impl KeyStore for DynamoKeyStore {
     }
 
     #[tracing::instrument(skip(self), fields(otel.name = "Scan", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "Scan"))]
-    async fn scan(
-        &self,
-        segment: u32,
-        total: u32,
-        cursor: Option<String>,
-    ) -> Result<(Vec<KeyItem>, Option<String>), KeyStoreError> {
+    async fn scan(&self, segment: u32, total: u32, cursor: Option<String>) -> Result<ScanPage, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "scan")]);
         let start = cursor.map(|pk| HashMap::from([(attr::PK.to_owned(), s(pk))]));
         let page = self
@@ -513,16 +508,17 @@ impl KeyStore for DynamoKeyStore {
             .send()
             .await
             .map_err(store_error)?;
-        let items = page
-            .items()
-            .iter()
-            .filter(|item| {
-                !item.get(attr::PK).and_then(|pk| pk.as_s().ok()).is_some_and(|pk| pk.starts_with(CONTROL_PREFIX))
-            })
-            .map(decode)
-            .collect::<Result<Vec<_>, _>>()?;
+        let (mut items, mut balances) = (Vec::new(), Vec::new());
+        for item in page.items() {
+            let pk = item.get(attr::PK).and_then(|pk| pk.as_s().ok()).map(String::as_str).unwrap_or_default();
+            match balance::name_of(pk) {
+                Some(name) => balances.push((name.to_owned(), balance::decode(item)?)),
+                None if pk.starts_with(CONTROL_PREFIX) => {}
+                None => items.push(decode(item)?),
+            }
+        }
         let next = page.last_evaluated_key().and_then(|k| k.get(attr::PK)).and_then(|v| v.as_s().ok()).cloned();
-        Ok((items, next))
+        Ok(ScanPage { items, balances, next })
     }
 
     #[tracing::instrument(skip(self), fields(otel.name = "Query", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "Query"))]

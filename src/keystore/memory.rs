@@ -8,7 +8,8 @@ use std::sync::Mutex;
 
 use super::{
     Balance, Claim, Concluded, Conclusion, Finish, Handoff, HeldBy, Hold, HoldEntry, HoldState, Holder, Holding,
-    KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, StaleKey, StoreFailure, inflight_shard, shard_name,
+    KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, ScanPage, StaleKey, StoreFailure, inflight_shard,
+    shard_name,
 };
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 use uuid::Uuid;
@@ -141,11 +142,11 @@ impl KeyStore for MemoryKeyStore {
     }
 
     async fn release(&self, key: &ScopedKey, holder: &Holder, how: Release) -> Result<(), KeyStoreError> {
-        let how = if holder.fence == Fence::FIRST { how } else { Release::Reopen };
+        let how = if how == Release::Forget && holder.fence != Fence::FIRST { Release::Reopen } else { how };
         self.with_items(|items| {
             let pk = key.partition_key();
             match (items.get_mut(&pk), how) {
-                (Some(item), Release::Forget) if item.held_by(holder) => {
+                (Some(item), Release::Forget | Release::Abandon) if item.held_by(holder) => {
                     items.remove(&pk);
                     Ok(())
                 }
@@ -153,7 +154,7 @@ impl KeyStore for MemoryKeyStore {
                     item.lease_until = Millis::new(0);
                     Ok(())
                 }
-                (None, Release::Forget) => Ok(()),
+                (None, Release::Forget | Release::Abandon) => Ok(()),
                 (other, _) => Err(fenced_out(other.as_deref())),
             }
         })
@@ -186,13 +187,14 @@ impl KeyStore for MemoryKeyStore {
 
     /// Segments by a hash of the partition key; the cursor is the last
     /// partition key returned (pages of at most 100, in key order).
-    async fn scan(
-        &self,
-        segment: u32,
-        total: u32,
-        cursor: Option<String>,
-    ) -> Result<(Vec<KeyItem>, Option<String>), KeyStoreError> {
-        Ok(self.with_items(|items| {
+    async fn scan(&self, segment: u32, total: u32, cursor: Option<String>) -> Result<ScanPage, KeyStoreError> {
+        // Every balance comes with the first page of segment 0.
+        let balances = if segment == 0 && cursor.is_none() {
+            self.with_balances(|all| all.iter().map(|(name, b)| (name.clone(), b.clone())).collect())
+        } else {
+            Vec::new()
+        };
+        let (items, next) = self.with_items(|items| {
             let mut mine: Vec<(&String, &KeyItem)> = items
                 .iter()
                 .filter(|(pk, _)| {
@@ -205,7 +207,8 @@ impl KeyStore for MemoryKeyStore {
             let page: Vec<KeyItem> = mine.iter().take(100).map(|(_, item)| (*item).clone()).collect();
             let next = (mine.len() > 100).then(|| mine[99].0.clone());
             (page, next)
-        }))
+        });
+        Ok(ScanPage { items, balances, next })
     }
 
     async fn stale_in_flight(&self, shard: u64, now: Millis) -> Result<Vec<StaleKey>, KeyStoreError> {
@@ -253,14 +256,8 @@ impl KeyStore for MemoryKeyStore {
                     hold.balance, balance.total
                 ))));
             }
-            match balance.hold(by.id).map(|h| h.state) {
-                Some(HoldState::Held | HoldState::Settled) => return Ok(Holding::Held),
-                Some(HoldState::Released) => {
-                    return Err(KeyStoreError::Fault(StoreFailure::said(
-                        "the hold was released before its request began",
-                    )));
-                }
-                None => {}
+            if balance.hold(by.id).is_some() {
+                return Ok(Holding::Held);
             }
             if hold.amount <= 0 || hold.amount > balance.left() {
                 return Ok(Holding::Exceeded { left: balance.left() });

@@ -100,6 +100,23 @@ pub enum Release {
     /// Work was committed: keep the item but end the lease, so the next
     /// retry or the recovery worker resumes at once instead of waiting.
     Reopen,
+    /// The request is given up for good: delete the item whatever its
+    /// fence. Only for a holder that has voided the request's ledger row
+    /// under its own fence first (so no older owner can write it, and no
+    /// reconciler finds it keyless and puts it back). A key claimed again
+    /// afterwards is another request (a new `created_at`, a new owner): no
+    /// stale holder's write, conditioned on its own identity, can touch it.
+    Abandon,
+}
+
+/// One page of a scan of the key table.
+#[derive(Clone, Debug, Default)]
+pub struct ScanPage {
+    pub items: Vec<KeyItem>,
+    /// The balances on the page, by name.
+    pub balances: Vec<(String, Balance)>,
+    /// Where the next page starts (a partition key); `None` after the last.
+    pub next: Option<String>,
 }
 
 /// The conditional operations on key items. Failed conditions come back as
@@ -183,14 +200,14 @@ pub trait KeyStore: Send + Sync {
     fn restore(&self, item: &KeyItem) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
 
     /// One page of segment `segment` of `total` of a scan of every key item
-    /// (control items such as the region registry are left out), continuing
-    /// after `cursor` (a partition key); returns the next cursor.
+    /// and every balance (other control items, such as the region registry,
+    /// are left out), continuing after `cursor` (a partition key).
     fn scan(
         &self,
         segment: u32,
         total: u32,
         cursor: Option<String>,
-    ) -> impl Future<Output = Result<(Vec<KeyItem>, Option<String>), KeyStoreError>> + Send;
+    ) -> impl Future<Output = Result<ScanPage, KeyStoreError>> + Send;
 
     /// Started items in in-flight shard `shard` whose lease ended before `now`.
     fn stale_in_flight(

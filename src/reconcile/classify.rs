@@ -43,10 +43,16 @@ pub enum Class {
     /// two regions hold it under one fence (a fence granted twice: the key
     /// table went back to an older copy).
     WorkedTwice,
+    /// A hold on a balance (a refund's on its payment) whose request is
+    /// gone: held for nobody, it keeps its amount from every other request.
+    OrphanedHold,
+    /// A request this ledger finished has no hold on its balance: what the
+    /// balance has left is overstated.
+    HoldMissing,
 }
 
 impl Class {
-    pub const ALL: [Class; 9] = [
+    pub const ALL: [Class; 11] = [
         Class::PaymentMissing,
         Class::KeyNotFinished,
         Class::KeyMissing,
@@ -56,6 +62,8 @@ impl Class {
         Class::MovedInFlight,
         Class::AnswerMismatch,
         Class::WorkedTwice,
+        Class::OrphanedHold,
+        Class::HoldMissing,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -69,6 +77,8 @@ impl Class {
             Class::MovedInFlight => "moved_in_flight",
             Class::AnswerMismatch => "answer_mismatch",
             Class::WorkedTwice => "worked_twice",
+            Class::OrphanedHold => "orphaned_hold",
+            Class::HoldMissing => "hold_missing",
         }
     }
 }

@@ -18,6 +18,7 @@
 //! refused or did not take stays unresolved. Report-only runs change nothing.
 
 mod classify;
+mod holds;
 mod repair;
 mod report;
 
@@ -45,11 +46,13 @@ struct Found {
     handoff: Option<Handoff>,
     /// Why the finding must not be repaired automatically, if it must not.
     hold: Option<String>,
+    /// The balance's hold the finding is about, if it is about one.
+    balance: Option<holds::HoldRef>,
 }
 
 impl Found {
     fn new(finding: Finding, key: Option<KeyItem>, view: Option<LedgerView>) -> Self {
-        Self { finding, key, view, handoff: None, hold: None }
+        Self { finding, key, view, handoff: None, hold: None, balance: None }
     }
 }
 
@@ -102,6 +105,7 @@ pub async fn run<K: KeyStore>(
     let found: Mutex<Vec<Found>> = Mutex::default();
     let seen: Mutex<HashSet<RequestId>> = Mutex::default();
     let scanned = Mutex::new(0_usize);
+    let balances: Mutex<Vec<(String, crate::keystore::Balance)>> = Mutex::default();
     // Time spent waiting on each store, summed over segments.
     let waited = Mutex::new((Duration::ZERO, Duration::ZERO));
 
@@ -110,13 +114,15 @@ pub async fn run<K: KeyStore>(
     let handed: HashSet<RequestId> = handed.into_iter().collect();
 
     let segments = (0..options.segments.max(1)).map(|segment| {
-        let (found, seen, scanned, waited, handed) = (&found, &seen, &scanned, &waited, &handed);
+        let (found, seen, scanned, waited, handed, balances) = (&found, &seen, &scanned, &waited, &handed, &balances);
         async move {
             let mut cursor = None;
             loop {
                 let asked = Instant::now();
-                let (items, next) = engine.keys().scan(segment, options.segments.max(1), cursor).await?;
+                let page = engine.keys().scan(segment, options.segments.max(1), cursor).await?;
                 lock(waited).0 += asked.elapsed();
+                lock(balances).extend(page.balances);
+                let (items, next) = (page.items, page.next);
                 // An item past its retention is absent, whether or not the
                 // store has reaped it yet.
                 let items: Vec<KeyItem> = items
@@ -161,6 +167,13 @@ pub async fn run<K: KeyStore>(
         result?;
     }
 
+    // Holds whose request is gone, and finished requests without a hold.
+    let balances = balances.into_inner().unwrap_or_else(|p| p.into_inner());
+    let orphaned = holds::orphaned(engine, &balances, &thresholds).await?;
+    lock(&found).extend(orphaned);
+    let by_name: std::collections::HashMap<&str, &crate::keystore::Balance> =
+        balances.iter().map(|(name, balance)| (name.as_str(), balance)).collect();
+
     // Ledger requests whose key is gone. The scan is not a snapshot, so a
     // key is declared gone only after a consistent read finds no live item
     // for this very request (a key reused after its retention is another).
@@ -173,6 +186,9 @@ pub async fn run<K: KeyStore>(
         let view = view?;
         ledger_rows_scanned += 1;
         let id = (view.record.key.partition_key(), view.record.created_at);
+        if let Some(finding) = holds::missing(&view, &by_name) {
+            lock(&found).push(Found::new(finding, None, Some(view.clone())));
+        }
         let orphan = !seen.contains(&id) && !handed.contains(&id);
         let kind = classify_orphan(&view, &thresholds);
         if orphan && kind != Orphan::Voided {

@@ -53,6 +53,20 @@ pub(super) async fn repair<K: KeyStore>(engine: &Engine<K>, found: &Found) -> Re
     if let Some(hold) = &found.hold {
         return Ok(Repair { resolved: false, action: hold.clone() });
     }
+    match (class, &found.balance) {
+        (Class::OrphanedHold, Some(hold)) => {
+            let (resolved, action) = super::holds::release(engine, hold).await?;
+            return Ok(Repair { resolved, action });
+        }
+        (Class::HoldMissing, _) => {
+            let action = "not repaired: the request finished without a hold on its balance, so the balance has \
+                          its amount left to give again; compare the balance item with every region's ledger and \
+                          settle it by hand"
+                .to_owned();
+            return Ok(Repair { resolved: false, action });
+        }
+        _ => {}
+    }
     let acted = match (class, key, ledger) {
         (Class::PaymentMissing, Some(key), ledger) => rebuild(engine, key, ledger).await?,
         (Class::UnknownOutcome, Some(key), _) if key.lease_until >= Millis::now() => Acted::Unresolved(format!(
@@ -140,7 +154,7 @@ async fn gone<K: KeyStore>(
                 }),
             }
         }
-        Class::AnswerMismatch | Class::WorkedTwice => false,
+        Class::AnswerMismatch | Class::WorkedTwice | Class::OrphanedHold | Class::HoldMissing => false,
     })
 }
 

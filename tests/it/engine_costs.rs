@@ -11,7 +11,7 @@ use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, Req
 use keyfence::engine::{Answer, Engine, EngineSettings, Rails, Submission};
 use keyfence::keystore::{
     Balance, Claim, Concluded, Conclusion, Finish, Handoff, HeldBy, Hold, Holder, Holding, KeyItem, KeyStore,
-    KeyStoreError, Lease, Release, StaleKey,
+    KeyStoreError, Lease, Release, ScanPage, StaleKey,
 };
 use keyfence::operations::PaymentOperation;
 use keyfence::rail::RailClient;
@@ -89,12 +89,7 @@ impl<K: KeyStore> KeyStore for Counting<K> {
         self.note("restore");
         self.inner.restore(item).await
     }
-    async fn scan(
-        &self,
-        segment: u32,
-        total: u32,
-        cursor: Option<String>,
-    ) -> Result<(Vec<KeyItem>, Option<String>), KeyStoreError> {
+    async fn scan(&self, segment: u32, total: u32, cursor: Option<String>) -> Result<ScanPage, KeyStoreError> {
         self.note("scan");
         self.inner.scan(segment, total, cursor).await
     }

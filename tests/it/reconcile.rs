@@ -255,7 +255,8 @@ async fn a_report_only_run_changes_nothing() {
 
 /// Everything both stores hold, in a comparable form.
 async fn snapshot(app: &TestApp) -> (Vec<String>, String) {
-    let (items, more) = app.keys.store.scan(0, 1, None).await.unwrap();
+    let page = app.keys.store.scan(0, 1, None).await.unwrap();
+    let (items, more) = (page.items, page.next);
     assert!(more.is_none(), "one page holds this test's keys");
     let mut items: Vec<String> = items.iter().map(|item| format!("{item:?}")).collect();
     items.sort();

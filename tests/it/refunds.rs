@@ -5,9 +5,14 @@
 
 use std::time::{Duration, Instant};
 
+use aws_sdk_dynamodb::types::AttributeValue;
 use futures::future::join_all;
-use keyfence::keystore::KeyStore;
-use keyfence::operations::RefundOperation;
+use keyfence::domain::{IdempotencyKey, Millis, RefundRequest, RequestHash, ScopedKey};
+use keyfence::engine::{Answer, EngineError, Submission};
+use keyfence::keystore::{HeldBy, Hold, HoldState, Holding, KeyStore};
+use keyfence::operations::{RefundOperation, RefundOrder, RefundedPayment};
+use keyfence::reconcile::Class;
+use keyfence::startup::build_engine;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -254,4 +259,116 @@ async fn refusals_claim_nothing_and_a_key_is_one_request() {
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{}", String::from_utf8_lossy(&body));
     assert_eq!(app.count("refunds").await, 1);
     assert_eq!(app.refunded(&paid).await, (100, 100));
+}
+
+/// Takes a hold on `paid`'s balance for a request that never was (a claim
+/// forgotten after its hold was taken), a minute ago.
+async fn orphan_hold(app: &TestApp, paid: &str, amount: i64) -> Uuid {
+    let id = Uuid::now_v7();
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(&format!("gone-{id}")).unwrap());
+    let by = HeldBy { id, key, created_at: Millis::now().minus(Duration::from_secs(60)), region: "test-1".into() };
+    let hold = Hold { balance: RefundOperation::balance_of(paid.parse().unwrap()), total: PAID, amount };
+    let taken = app.keys.store.hold(&hold, &by, Millis::now().minus(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(taken, Holding::Held);
+    id
+}
+
+async fn hold_state(app: &TestApp, paid: &str, id: Uuid) -> Option<HoldState> {
+    let balance = RefundOperation::balance_of(paid.parse().unwrap());
+    app.keys.store.balance(&balance).await.unwrap().and_then(|b| b.hold(id).map(|h| h.state))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_held_for_nobody_is_released_when_a_refund_needs_it() {
+    let app = spawn_app().await;
+    let paid = app.paid("E2E-REFUND-ORPHAN").await;
+    let orphan = orphan_hold(&app, &paid, PAID).await;
+    let (status, _) = app.refund_at(&app.url, &paid, "refund-beside-orphan", &refund(100)).await;
+    assert_eq!(status, StatusCode::CREATED, "the orphan's amount was given back for it");
+    assert_eq!(hold_state(&app, &paid, orphan).await, Some(HoldState::Released));
+    assert_eq!(app.refunded(&paid).await, (100, 100));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_releases_orphaned_holds_and_reports_missing_ones() {
+    let app = spawn_app().await;
+    let paid = app.paid("E2E-REFUND-RECONCILE").await;
+    let (status, _) = app.refund_at(&app.url, &paid, "refund-kept", &refund(200)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let orphan = orphan_hold(&app, &paid, 300).await;
+    assert_eq!(app.refunded(&paid).await, (200, 500));
+
+    let found = crate::reconcile::reconcile(&app, false).await;
+    let classes: Vec<Class> = found.findings.iter().map(|f| f.class).collect();
+    assert_eq!(classes, [Class::OrphanedHold], "{}", found.table());
+    assert_eq!(found.findings[0].payment_id, orphan);
+    assert_eq!(hold_state(&app, &paid, orphan).await, Some(HoldState::Held), "a report changes nothing");
+
+    let repaired = crate::reconcile::reconcile(&app, true).await;
+    assert!(repaired.findings.iter().all(|f| f.repair.as_ref().is_some_and(|r| r.resolved)), "{}", repaired.table());
+    assert_eq!(hold_state(&app, &paid, orphan).await, Some(HoldState::Released));
+    assert_eq!(app.refunded(&paid).await, (200, 200), "released once");
+    assert!(crate::reconcile::reconcile(&app, true).await.findings.is_empty(), "nothing left to find");
+
+    // A finished refund whose hold is gone from its balance is reported, never guessed at.
+    let refund_id: Uuid = sqlx::query_scalar("SELECT id FROM refunds").fetch_one(app.db.ledger.pool()).await.unwrap();
+    app.keys
+        .store
+        .client()
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", AttributeValue::S(format!("control#balance#{}", RefundOperation::balance_of(paid.parse().unwrap()))))
+        .update_expression("REMOVE #hold")
+        .expression_attribute_names("#hold", format!("hold#{refund_id}"))
+        .send()
+        .await
+        .unwrap();
+    let missing = crate::reconcile::reconcile(&app, true).await;
+    let classes: Vec<Class> = missing.findings.iter().map(|f| f.class).collect();
+    assert_eq!(classes, [Class::HoldMissing], "{}", missing.table());
+    assert_eq!(missing.findings[0].payment_id, refund_id);
+    assert!(!missing.findings[0].repair.as_ref().unwrap().resolved);
+}
+
+/// A refund whose first phase fails after its hold was taken is handed
+/// back, not forgotten: the hold stays with its request (nobody gives it
+/// back while an owner may still be working it), and the retry finishes
+/// the refund under the same hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_that_fails_after_its_hold_keeps_it_for_the_retry() {
+    let app = spawn_app().await;
+    let (proxy, settings) = app.behind_a_proxied_ledger().await;
+    let engine = build_engine(&settings.engine).await.unwrap();
+    let order = RefundOrder {
+        refund: RefundRequest { amount_minor: 500, reason: None },
+        payment: RefundedPayment {
+            id: Uuid::now_v7(),
+            amount_minor: PAID,
+            currency: "EUR".into(),
+            debtor_account: DEBTOR.into(),
+            creditor_account: "FR1420041010050500013M02606".into(),
+            end_to_end_id: "E2E-REFUND-HANDED-BACK".into(),
+        },
+    };
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("handed-back").unwrap());
+    let canonical = serde_json::to_vec(&order).unwrap();
+    let submission = || Submission {
+        key: key.clone(),
+        request_hash: RequestHash::of("POST", "/v1/payments/x/refunds", &canonical),
+        canonical: canonical.clone(),
+        operation: RefundOperation::new(order.clone()),
+    };
+    proxy.cut();
+    let failed = engine.submit(submission()).await;
+    assert!(matches!(failed, Err(EngineError::Transient(_))), "{failed:?}");
+    let item = app.keys.store.get(&key).await.unwrap().expect("handed back, not forgotten");
+    assert_eq!(item.lease_until, Millis::new(0));
+    let paid = order.payment.id.to_string();
+    assert_eq!(hold_state(&app, &paid, item.payment_id).await, Some(HoldState::Held));
+
+    proxy.heal();
+    let answer = engine.submit(submission()).await.unwrap();
+    assert!(matches!(&answer, Answer::Final { response, .. } if response.status == 201), "{answer:?}");
+    assert_eq!(hold_state(&app, &paid, item.payment_id).await, Some(HoldState::Settled), "the same hold, settled");
+    assert_eq!(app.refunded(&paid).await, (500, 500));
 }
