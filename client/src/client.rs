@@ -313,6 +313,13 @@ impl Client {
         request.json(body).send().await
     }
 
+    /// GETs `path` of the region in use and reads its 200 as a `T`; else
+    /// what to do.
+    async fn read<T: serde::de::DeserializeOwned, S>(&self, path: &str) -> Result<T, Step<S>> {
+        let response = self.get(path).await?;
+        answer::json::<T>(response).await.ok_or(Step::Retry { after: None, next_region: false })
+    }
+
     /// GETs `path` of the region in use: `Ok` with a 200, else what to do.
     async fn get<T>(&self, path: &str) -> Result<Response, Step<T>> {
         let asked =
@@ -359,12 +366,9 @@ impl Attempted for PaymentRequest {
 
     /// Asks how a payment that answered `202` stands.
     async fn poll(&self, client: &Client, id: Uuid) -> Result<Step<Outcome>, PayError> {
-        let response = match client.get(&format!("/v1/payments/{id}")).await {
-            Ok(response) => response,
+        let payment: Payment = match client.read(&format!("/v1/payments/{id}")).await {
+            Ok(payment) => payment,
             Err(step) => return Ok(step),
-        };
-        let Some(payment) = answer::json::<Payment>(response).await else {
-            return Ok(Step::Retry { after: None, next_region: false });
         };
         Ok(match payment.status {
             PaymentStatus::Succeeded => Step::Done(Outcome::Succeeded { payment }, false),
@@ -427,12 +431,9 @@ impl Attempted for Refunding<'_> {
 
     /// Asks how a refund that answered `202` stands.
     async fn poll(&self, client: &Client, id: Uuid) -> Result<Step<RefundOutcome>, PayError> {
-        let response = match client.get(&format!("/v1/refunds/{id}")).await {
-            Ok(response) => response,
+        let refund: Refund = match client.read(&format!("/v1/refunds/{id}")).await {
+            Ok(refund) => refund,
             Err(step) => return Ok(step),
-        };
-        let Some(refund) = answer::json::<Refund>(response).await else {
-            return Ok(Step::Retry { after: None, next_region: false });
         };
         Ok(match refund.status {
             RefundStatus::Succeeded => Step::Done(RefundOutcome::Succeeded { refund }, false),

@@ -6,11 +6,11 @@
 //! request (the key is gone, or names a later request) has nothing behind
 //! it, and is released, once (the balance records it). Only holds taken
 //! in this region are judged here, and only if this region's ledger never
-//! wrote their request: one it holds lost its key, which the reconciler
+//! wrote their request (or holds it voided): one it holds lost its key, which the reconciler
 //! repairs; another region's hold is that region's to judge, against its
 //! own ledger.
 
-use crate::domain::Millis;
+use crate::domain::{Millis, RecoveryPoint};
 use crate::keystore::{Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
 
 use super::{Engine, EngineError};
@@ -43,6 +43,8 @@ impl<K: KeyStore> Engine<K> {
         {
             return Ok(false);
         }
-        Ok(self.ledger.views(&[(by.key.clone(), by.created_at)]).await?.is_empty())
+        // Never written here, or only voided (given up, or a leftover).
+        let held = self.ledger.views(&[(by.key.clone(), by.created_at)]).await?;
+        Ok(held.values().all(|view| view.recovery_point == RecoveryPoint::VOIDED))
     }
 }

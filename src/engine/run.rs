@@ -154,29 +154,25 @@ impl<K: KeyStore> Engine<K> {
         metrics::counter!("keyfence_holds_exceeded_total").increment(1);
         // The balance, read consistently, holds nothing for this request.
         attempt.hold_sent = false;
+        // Only a request that is gone is answered "does not fit": one that
+        // could not be given up (another owner moved it on, a store failed)
+        // may still be worked, so its answer is not known yet.
         if attempt.forgettable() {
-            self.hand_back(attempt).await;
+            self.keys.release(&attempt.record.key, &attempt.holder, Release::Forget).await?;
         } else {
-            self.give_up(attempt).await;
+            self.ledger.void(&attempt.record, attempt.holder.fence, &RecoveryPoint::STARTED).await?;
+            self.abandon(attempt).await?;
         }
         Ok(Some(Answer::Exceeded { left }))
     }
 
-    /// Gives up a request taken over before anything of it was held or
-    /// committed: its ledger row (adopted at `STARTED`) is voided under this
-    /// attempt's fence, then its key is deleted. If either fails, the key
-    /// is handed back and the next attempt decides again.
-    async fn give_up(&self, attempt: &Attempt) {
-        let fence = attempt.holder.fence;
-        let gone = async {
-            self.ledger.void(&attempt.record, fence, &RecoveryPoint::STARTED).await?;
-            self.keys.release(&attempt.record.key, &attempt.holder, Release::Abandon).await?;
-            Ok::<_, EngineError>(())
-        };
-        if let Err(e) = gone.await {
-            tracing::warn!(key = %attempt.record.key, error = %e, "could not give up a request whose hold does not fit");
-            self.hand_back(attempt).await;
-        }
+    /// Deletes the key of a request given up (its ledger row voided under
+    /// this attempt's fence: by this attempt, or by an earlier owner that
+    /// could not delete the key itself, found voided when taken over).
+    async fn abandon(&self, attempt: &Attempt) -> Result<(), EngineError> {
+        self.keys.release(&attempt.record.key, &attempt.holder, Release::Abandon).await?;
+        tracing::info!(key = %attempt.record.key, "gave up a request whose hold does not fit its balance");
+        Ok(())
     }
 
     /// Settles or releases the operation's hold as the final answer says.
@@ -213,6 +209,15 @@ impl<K: KeyStore> Engine<K> {
         attempt: &mut Attempt,
     ) -> Result<Answer, EngineError> {
         let steps = op.steps();
+        // Given up by an earlier owner, which voided it here but could not
+        // delete its key: finish giving it up.
+        if attempt.at == RecoveryPoint::VOIDED
+            && let Some(hold) = op.hold()
+        {
+            self.abandon(attempt).await?;
+            let left = self.keys.balance(&hold.balance).await?.map_or(hold.total, |b| b.left());
+            return Ok(Answer::Exceeded { left });
+        }
         // A rebuild works a request the key says is finished: its owner took
         // the hold and concluded it.
         if attempt.at == RecoveryPoint::STARTED

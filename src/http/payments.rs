@@ -18,11 +18,12 @@ use super::extract::{Caller, idempotency_key, json_body, profile};
 use super::live::{self, Standing};
 use super::peers::{Asked, Asker, check_target};
 use super::signed::is_forwarded;
+use super::throttle::Running;
 use super::{ApiError, AppState};
 use crate::clients::{Profile, Refusal};
 use crate::domain::ClientId;
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
-use crate::engine::{Answer, EngineError, Submission};
+use crate::engine::{Answer, EngineError, Operation, Submission};
 use crate::keystore::KeyStore;
 use crate::operations::{PaymentOperation, RefundOperation};
 
@@ -48,9 +49,18 @@ pub async fn create(
     // the fingerprint stays that of the bytes the client sent.
     let stored = serde_jcs::to_vec(&payment).map_err(|e| ApiError::Internal(e.to_string()))?;
     let submission = Submission { key, request_hash, canonical: stored, operation: PaymentOperation::new(payment) };
-    // The work runs on a task of its own: a client that gives up waiting
-    // (or goes away) does not cut its payment off halfway, which would
-    // leave the key leased to nobody until the lease runs out.
+    respond(worked(&state, submission, running).await?, PATH)
+}
+
+/// Works `submission` on a task of its own: a client that gives up waiting
+/// (or goes away) does not cut its request off halfway, which would leave
+/// the key leased to nobody until the lease runs out. `running` counts it
+/// against the caller's fair use until it ends.
+pub(super) async fn worked<O: Operation + 'static>(
+    state: &AppState,
+    submission: Submission<O>,
+    running: Running,
+) -> Result<Answer, ApiError> {
     let engine = state.engine.clone();
     let work = tokio::spawn(
         async move {
@@ -60,8 +70,7 @@ pub async fn create(
         }
         .in_current_span(),
     );
-    let answer = work.await.map_err(|e| EngineError::Fault(format!("the payment's task ended: {e}")))??;
-    respond(answer, PATH)
+    Ok(work.await.map_err(|e| EngineError::Fault(format!("the request's task ended: {e}")))??)
 }
 
 /// Refuses a new payment the caller may not make (an account it does not

@@ -12,12 +12,11 @@ use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
-use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, json_body, profile};
 use super::live::{self, Standing};
-use super::payments::{locate, merged, respond};
+use super::payments::{locate, merged, respond, worked};
 use super::peers::{Asked, Asker, check_target};
 use super::signed::is_forwarded;
 use super::{ApiError, AppState};
@@ -52,18 +51,7 @@ pub async fn create(
     let running = state.throttle.start(&key, &profile).map_err(ApiError::Throttled)?;
     let stored = serde_jcs::to_vec(&order).map_err(|e| ApiError::Internal(e.to_string()))?;
     let submission = Submission { key, request_hash, canonical: stored, operation: RefundOperation::new(order) };
-    // As for a payment: a client that goes away does not cut its refund off halfway.
-    let engine = state.engine.clone();
-    let work = tokio::spawn(
-        async move {
-            let answer = engine.submit(submission).await;
-            drop(running);
-            answer
-        }
-        .in_current_span(),
-    );
-    let answer = work.await.map_err(|e| EngineError::Fault(format!("the refund's task ended: {e}")))??;
-    respond(answer, REFUNDS)
+    respond(worked(&state, submission, running).await?, REFUNDS)
 }
 
 /// The refund as it will be worked: the request and what it needs of its

@@ -12,8 +12,10 @@
 //! - a return of a settled payment is applied in a phase of its own
 //!   ([`apply_return`]): compensating entries, the payment `returned`,
 //!   `payment.returned` queued, the message marked applied, all at once; a
-//!   return that arrives before its payment has settled waits for it, and
-//!   one of a payment with refunds (made or in flight) is kept for a person;
+//!   return that arrives before its payment has settled waits for it; a
+//!   return first holds the whole payment on its refundable balance (so no
+//!   refund begins after it), and one of a payment with refunds (made or in
+//!   flight) is kept for a person instead;
 //! - a message naming no instruction of this ledger is kept (state
 //!   `unknown`) for the reconciler.
 //!
@@ -27,7 +29,7 @@ use std::sync::Arc;
 
 use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
-use crate::keystore::{KeyState, KeyStore};
+use crate::keystore::{HeldBy, Holding, KeyState, KeyStore};
 use crate::ledger::LedgerError;
 use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
 use crate::operations::{RefundOperation, Registered, ReturnEffect, apply_return as apply_payment_return};
@@ -111,6 +113,7 @@ pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Mess
                 rail: message.rail.clone(),
                 message_id: message.id.clone(),
                 key: in_flight.key.clone(),
+                created_at: in_flight.created_at,
                 body: message.body.clone(),
                 payment_id: in_flight.payment_id,
             };
@@ -176,13 +179,23 @@ pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingRetu
         );
         return Ok(());
     }
-    // Money refunded (or held for a refund in flight) would go back twice.
-    let refunds = engine.keys().balance(&RefundOperation::balance_of(pending.payment_id)).await?;
-    if let Some(refunded) = refunds.filter(|b| b.reserved > 0) {
+    // A return takes back the whole payment: it holds all of what is left
+    // to refund, for good, on the same balance refunds hold on. So money
+    // refunded (or held for a refund in flight) never goes back twice, and
+    // no refund begins once the return did.
+    let paid = crate::ledger::payments::current(&mut tx, pending.payment_id).await?;
+    let hold = RefundOperation::hold_for_return(pending.payment_id, paid.amount_minor);
+    let by = HeldBy {
+        id: RefundOperation::return_hold_id(pending.payment_id),
+        key: pending.key.clone(),
+        created_at: pending.created_at,
+        region: engine.region().to_owned(),
+    };
+    if let Holding::Exceeded { .. } = engine.keys().hold(&hold, &by, Millis::now()).await? {
         let why = "the payment has refunds, made or in flight: the return overlaps them; settle it with the rail";
         settle_message(&mut tx, &pending.rail, &pending.message_id, "unknown", Some(why)).await?;
         tx.commit().await.map_err(LedgerError::from)?;
-        tracing::warn!(id = pending.message_id, refunded = refunded.reserved, "a return of a refunded payment; kept");
+        tracing::warn!(id = pending.message_id, "a return of a refunded payment; kept for a person");
         return Ok(());
     }
     let effect = apply_payment_return(&mut tx, pending.payment_id, &returned).await?;

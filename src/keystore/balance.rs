@@ -247,13 +247,60 @@ pub(super) async fn conclude(
         Ok(_) => Ok(Concluded::Now),
         Err(Failure::Condition(_)) => {
             let now = read(client, table, balance).await?.unwrap_or_default();
-            match now.hold(id).map(|h| h.state) {
+            match now.hold(id).map(|h| (h.state, h.amount)) {
                 None => Ok(Concluded::Missing),
-                Some(state) if state == to => Ok(Concluded::Already),
-                Some(state) => Err(KeyStoreError::Fault(StoreFailure::said(format!(
+                Some((state, _)) if state == to => Ok(Concluded::Already),
+                Some((HoldState::Released, amount)) if how == Conclusion::Settle => {
+                    settle_released(client, table, balance, id, now.total - amount).await
+                }
+                Some((state, _)) => Err(KeyStoreError::Fault(StoreFailure::said(format!(
                     "the hold of {id} on {balance} is {}, so it cannot be {}",
                     state.as_str(),
                     to.as_str()
+                )))),
+            }
+        }
+        Err(Failure::Store(e)) => Err(e),
+    }
+}
+
+/// Settles a hold released before (its request ended one way in one
+/// ledger and the other way in another: a rail that declined, then applied
+/// the same instruction): taken back first, if there is still room for it
+/// (`reserved` at most `limit`). Without room the balance would be
+/// overspent, which is refused: a person settles it.
+async fn settle_released(
+    client: &Client,
+    table: &str,
+    balance: &str,
+    id: Uuid,
+    limit: i64,
+) -> Result<Concluded, KeyStoreError> {
+    let sent = client
+        .update_item()
+        .table_name(table)
+        .key(attr::PK, s(partition_key(balance)))
+        .update_expression(
+            "SET #hold.#state = :settled, #reserved = #reserved + #hold.#amount, #settled = #settled + #hold.#amount",
+        )
+        .condition_expression("#hold.#state = :released AND #reserved <= :limit")
+        .expression_attribute_names("#hold", hold_attr(id))
+        .expression_attribute_names("#state", "state")
+        .expression_attribute_names("#amount", "amount")
+        .expression_attribute_names("#reserved", "reserved")
+        .expression_attribute_names("#settled", "settled")
+        .expression_attribute_values(":settled", s(HoldState::Settled.as_str()))
+        .expression_attribute_values(":released", s(HoldState::Released.as_str()))
+        .expression_attribute_values(":limit", n(limit.max(0).unsigned_abs()))
+        .send()
+        .await;
+    match sent.map_err(classify) {
+        Ok(_) => Ok(Concluded::Now),
+        Err(Failure::Condition(_)) => {
+            match read(client, table, balance).await?.and_then(|b| b.hold(id).map(|h| h.state)) {
+                Some(HoldState::Settled) => Ok(Concluded::Already),
+                _ => Err(KeyStoreError::Fault(StoreFailure::said(format!(
+                    "the hold of {id} on {balance} was released, and settling it now would overspend the balance"
                 )))),
             }
         }

@@ -276,17 +276,19 @@ impl KeyStore for MemoryKeyStore {
                 Conclusion::Settle => HoldState::Settled,
                 Conclusion::Release => HoldState::Released,
             };
-            match entry.state {
-                HoldState::Held => {}
-                state if state == to => return Ok(Concluded::Already),
-                _ => return Err(KeyStoreError::Fault(StoreFailure::said("the hold was concluded the other way"))),
+            let amount = entry.amount;
+            match (entry.state, how) {
+                (HoldState::Held, Conclusion::Settle) => balance.settled += amount,
+                (HoldState::Held, Conclusion::Release) => balance.reserved -= amount,
+                (state, _) if state == to => return Ok(Concluded::Already),
+                // Released, then settled after all: taken back first, if there is room.
+                (HoldState::Released, Conclusion::Settle) if balance.total - balance.reserved >= amount => {
+                    balance.reserved += amount;
+                    balance.settled += amount;
+                }
+                _ => return Err(KeyStoreError::Fault(StoreFailure::said("the hold cannot be concluded so"))),
             }
             entry.state = to;
-            let amount = entry.amount;
-            match how {
-                Conclusion::Settle => balance.settled += amount,
-                Conclusion::Release => balance.reserved -= amount,
-            }
             Ok(Concluded::Now)
         })
     }

@@ -250,7 +250,9 @@ pub trait KeyStore: Send + Sync {
     ) -> impl Future<Output = Result<Holding, KeyStoreError>> + Send;
 
     /// Settles or releases the hold of request `id` on `balance`, once:
-    /// concluding it again the same way is `Already`, the other way a fault.
+    /// concluding it again the same way is `Already`. A hold released
+    /// before is settled only if the balance has room for it again (taken
+    /// back first); without room, and releasing a settled hold, is a fault.
     fn conclude_hold(
         &self,
         balance: &str,

@@ -5,6 +5,7 @@
 //! ([`super::external::record_verdict`] marks it in the same statement).
 
 use sqlx::{Postgres, Transaction};
+use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{Ledger, LedgerError, millis};
@@ -78,6 +79,8 @@ pub struct PendingReturn {
     pub rail: String,
     pub message_id: String,
     pub key: ScopedKey,
+    /// The payment's request: its key's `created_at`.
+    pub created_at: Millis,
     pub body: serde_json::Value,
     pub payment_id: Uuid,
 }
@@ -259,8 +262,9 @@ impl Ledger {
     /// effect, or be found to have none), oldest first. Those of payments
     /// still being worked wait, without holding up the others.
     pub async fn pending_returns(&self, limit: i64) -> Result<Vec<PendingReturn>, LedgerError> {
-        let rows: Vec<(String, String, Uuid, String, serde_json::Value, Uuid)> = sqlx::query_as(
-            "SELECT i.rail, i.message_id, c.client_id, c.idem_key, i.body, r.payment_id
+        type Row = (String, String, Uuid, String, OffsetDateTime, serde_json::Value, Uuid);
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT i.rail, i.message_id, c.client_id, c.idem_key, c.request_created_at, i.body, r.payment_id
                FROM inbox i
                JOIN external_calls c ON c.derived_key = i.derived_key
                JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
@@ -273,9 +277,9 @@ impl Ledger {
         .await?;
         Ok(rows
             .into_iter()
-            .filter_map(|(rail, message_id, client, key, body, payment_id)| {
+            .filter_map(|(rail, message_id, client, key, created_at, body, payment_id)| {
                 let key = ScopedKey::new(ClientId::new(client), IdempotencyKey::parse(&key).ok()?);
-                Some(PendingReturn { rail, message_id, key, body, payment_id })
+                Some(PendingReturn { rail, message_id, key, created_at: millis(created_at), body, payment_id })
             })
             .collect())
     }

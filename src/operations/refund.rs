@@ -90,6 +90,18 @@ impl RefundOperation {
         format!("refundable#payment#{payment}")
     }
 
+    /// What a return of payment `payment` (of `amount_minor`) holds on its
+    /// balance: all of it, so no refund and no return overlap. It is never
+    /// concluded: a returned payment has nothing left to refund.
+    pub fn hold_for_return(payment: Uuid, amount_minor: i64) -> Hold {
+        Hold { balance: Self::balance_of(payment), total: amount_minor, amount: amount_minor }
+    }
+
+    /// The id the return of payment `payment` holds under (one per payment).
+    pub fn return_hold_id(payment: Uuid) -> Uuid {
+        Uuid::new_v5(&payment, b"return")
+    }
+
     async fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) -> Result<(), EngineError> {
         let amount = self.order.refund.amount_minor;
         let legs = [Leg { account: from, amount_minor: -amount }, Leg { account: to, amount_minor: amount }];

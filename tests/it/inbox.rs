@@ -329,3 +329,43 @@ async fn a_return_reaching_a_copy_that_moved_away_is_kept_not_applied() {
         .unwrap();
     assert_eq!(entries, 0);
 }
+
+/// A return and refunds never both give a payment back: a return of a
+/// payment with a refund is kept for a person, not applied; a returned
+/// payment holds all of its balance, so no refund of it begins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_and_a_refund_never_both_give_a_payment_back() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    let refunded = app.paid("E2E-RETURN-REFUNDED").await;
+    let (status, _) = app.refund_at(&app.url, &refunded, "refund-then-return", &json!({ "amount_minor": 100 })).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let returned = app.paid("E2E-RETURN-THEN-REFUND").await;
+    let statement = app.e2.statement().await;
+    let keys: Vec<String> =
+        statement.iter().filter(|a| a.amount_minor == 1250).map(|a| a.idempotency_key.clone()).collect();
+    for key in &keys {
+        assert_eq!(return_instruction(&app.e2, key).await, StatusCode::OK);
+    }
+    eventually("the unrefunded payment is returned", async || {
+        let shown: Value = app.get_as(&app.api_key, &format!("/v1/payments/{returned}")).await.json().await.unwrap();
+        shown["status"] == "returned"
+    })
+    .await;
+    eventually("the refunded payment's return is kept", async || {
+        inbox_states(&app).await.contains(&("returned".to_owned(), "unknown".to_owned(), 1))
+    })
+    .await;
+    let shown: Value = app.get_as(&app.api_key, &format!("/v1/payments/{refunded}")).await.json().await.unwrap();
+    assert_eq!((shown["status"].as_str(), shown["amount_refunded"].as_i64()), (Some("succeeded"), Some(100)));
+    assert_eq!(app.refunded(&returned).await, (0, 1250), "the return holds all of it");
+    let (status, body) =
+        app.refund_at(&app.url, &returned, "refund-after-return", &json!({ "amount_minor": 100 })).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["type"], "urn:keyfence:problem:payment-not-refundable");
+    let returns: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE entry = 'return'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(returns, 2, "one return posted, of one payment");
+}

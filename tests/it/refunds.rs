@@ -9,7 +9,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use futures::future::join_all;
 use keyfence::domain::{IdempotencyKey, Millis, RefundRequest, RequestHash, ScopedKey};
 use keyfence::engine::{Answer, EngineError, Submission};
-use keyfence::keystore::{HeldBy, Hold, HoldState, Holding, KeyStore};
+use keyfence::keystore::{Concluded, Conclusion, HeldBy, Hold, HoldState, Holding, KeyStore};
 use keyfence::operations::{RefundOperation, RefundOrder, RefundedPayment};
 use keyfence::reconcile::Class;
 use keyfence::startup::build_engine;
@@ -18,6 +18,8 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use crate::app::{DEBTOR, TestApp, payment, spawn_app};
+use crate::harness::eventually;
+use crate::receiver::Receiver;
 
 /// The amount of [`payment`].
 const PAID: i64 = 1250;
@@ -371,4 +373,82 @@ async fn a_refund_that_fails_after_its_hold_keeps_it_for_the_retry() {
     assert!(matches!(&answer, Answer::Final { response, .. } if response.status == 201), "{answer:?}");
     assert_eq!(hold_state(&app, &paid, item.payment_id).await, Some(HoldState::Settled), "the same hold, settled");
     assert_eq!(app.refunded(&paid).await, (500, 500));
+}
+
+/// A refund's events reach the client's endpoint, signed and verified by
+/// the Standard Webhooks reference library: `refund.succeeded` with the
+/// refund as `GET /v1/refunds/{id}` shows it, and `refund.rejected`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refunds_events_arrive_signed() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app().await;
+    let made = app
+        .http
+        .post(format!("{}/v1/webhook-endpoints", app.url))
+        .bearer_auth(&app.api_key)
+        .json(&json!({ "url": receiver.hook("refunds"), "events": ["refund.succeeded", "refund.rejected"] }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(made.status(), StatusCode::CREATED);
+    let made: Value = made.json().await.unwrap();
+    receiver.behave("refunds", json!({ "secret": made["secret"] })).await;
+
+    let paid = app.paid("E2E-REFUND-EVENTS").await;
+    let (status, body) = app.refund_at(&app.url, &paid, "refund-evented", &refund(300)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let refunded: Value = serde_json::from_slice(&body).unwrap();
+    app.e2.set_rules(json!({ "decline_creditor_accounts": [DEBTOR] })).await;
+    let (status, _) = app.refund_at(&app.url, &paid, "refund-declined-evented", &refund(300)).await;
+    assert_eq!(status, StatusCode::PAYMENT_REQUIRED);
+
+    eventually("both refund events delivered", async || {
+        receiver.arrivals("refunds").await.iter().filter(|a| a.accepted()).count() >= 2
+    })
+    .await;
+    let arrivals = receiver.arrivals("refunds").await;
+    assert!(arrivals.iter().all(|a| a.valid), "{arrivals:?}");
+    let kinds: Vec<&str> = arrivals.iter().filter_map(|a| a.event.as_deref()).collect();
+    assert_eq!(kinds, ["refund.succeeded", "refund.rejected"], "in order, the payment's own events not asked for");
+    let shown: Value = app
+        .get_as(&app.api_key, &format!("/v1/refunds/{}", refunded["id"].as_str().unwrap()))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(arrivals[0].data.as_ref(), Some(&shown));
+    assert_eq!(arrivals[1].data.as_ref().unwrap()["decline_reason"], "creditor_account_blocked");
+}
+
+/// A hold is concluded once: settled or released, and concluding it again
+/// the same way changes nothing. A hold released and then settled after
+/// all (a rail that declined an instruction and later applied it) is taken
+/// back first, only while the balance has room for it.
+#[tokio::test]
+async fn a_hold_concludes_once_and_a_released_one_settles_only_with_room() {
+    let app = spawn_app().await;
+    let balance = "refundable#payment#conclude-once";
+    let hold = |amount| Hold { balance: balance.to_owned(), total: 1000, amount };
+    let by = async |name: &str| HeldBy {
+        id: Uuid::now_v7(),
+        key: ScopedKey::new(app.client_id().await, IdempotencyKey::parse(name).unwrap()),
+        created_at: Millis::now(),
+        region: "test-1".into(),
+    };
+    let store = &app.keys.store;
+    let (first, second) = (by("first").await, by("second").await);
+    assert_eq!(store.hold(&hold(600), &first, Millis::now()).await.unwrap(), Holding::Held);
+    assert_eq!(store.hold(&hold(600), &first, Millis::now()).await.unwrap(), Holding::Held, "recognised");
+    assert_eq!(store.hold(&hold(600), &second, Millis::now()).await.unwrap(), Holding::Exceeded { left: 400 });
+    assert_eq!(store.conclude_hold(balance, first.id, Conclusion::Release).await.unwrap(), Concluded::Now);
+    assert_eq!(store.conclude_hold(balance, first.id, Conclusion::Release).await.unwrap(), Concluded::Already);
+    assert_eq!(store.hold(&hold(600), &second, Millis::now()).await.unwrap(), Holding::Held, "the room came back");
+    // Released, then settled after all: no room for it now.
+    assert!(store.conclude_hold(balance, first.id, Conclusion::Settle).await.is_err(), "it would overspend");
+    assert_eq!(store.conclude_hold(balance, second.id, Conclusion::Release).await.unwrap(), Concluded::Now);
+    assert_eq!(store.conclude_hold(balance, first.id, Conclusion::Settle).await.unwrap(), Concluded::Now);
+    let now = store.balance(balance).await.unwrap().unwrap();
+    assert_eq!((now.total, now.reserved, now.settled), (1000, 600, 600));
+    assert!(store.conclude_hold(balance, first.id, Conclusion::Release).await.is_err(), "a settled hold stays settled");
+    assert_eq!(store.conclude_hold(balance, Uuid::now_v7(), Conclusion::Settle).await.unwrap(), Concluded::Missing);
 }
