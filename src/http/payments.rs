@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::extract::{Caller, idempotency_key, json_body, profile};
 use super::live::{self, Standing};
-use super::peers::{Asked, Asker, check_target};
+use super::peers::{Asker, check_target};
 use super::signed::is_forwarded;
 use super::throttle::Running;
 use super::{ApiError, AppState};
@@ -148,29 +148,8 @@ pub async fn show(
 /// (`forwarded`), only this region's own live copy counts.
 pub(super) async fn locate(state: &AppState, client: ClientId, id: Uuid, forwarded: bool) -> Result<Value, ApiError> {
     let local = state.engine.ledger().payment_of(client, id).await.map_err(EngineError::from)?;
-    let home = match &local {
-        Some(held) => match live::judge(&state.engine, client, held.into()).await? {
-            Standing::Live => {
-                return serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()));
-            }
-            Standing::Leftover { home } => home,
-        },
-        None => None,
-    };
-    // Another region asking gets live copies only; a leftover here says
-    // the payment exists (never a 404 for it), without showing it.
-    if forwarded {
-        return Err(if local.is_some() { ApiError::PaymentMoving } else { ApiError::NotFound });
-    }
-    let registry = state.engine.regions().current().await;
-    let asker = Asker { me: state.engine.region(), client };
-    match state.peers.one(&registry, asker, home.as_deref(), "/v1/payments", &id.to_string()).await {
-        Asked::Found(payment) => Ok(payment),
-        // Only a leftover, here: its live copy is not written yet.
-        Asked::Nowhere if local.is_some() => Err(ApiError::PaymentMoving),
-        Asked::Nowhere => Err(ApiError::NotFound),
-        Asked::Unreachable(regions) => Err(ApiError::PeersUnreachable(regions)),
-    }
+    let here = local.as_ref().map(|held| (&held.payment, held.into()));
+    live::copy_of(state, client, PATH, id, here, forwarded).await
 }
 
 #[derive(Deserialize)]

@@ -17,7 +17,7 @@ use uuid::Uuid;
 use super::extract::{Caller, idempotency_key, json_body, profile};
 use super::live::{self, Standing};
 use super::payments::{locate, merged, respond, worked};
-use super::peers::{Asked, Asker, check_target};
+use super::peers::{Asker, check_target};
 use super::signed::is_forwarded;
 use super::{ApiError, AppState};
 use crate::domain::{ClientId, RefundRequest, RequestHash, ScopedKey};
@@ -115,24 +115,8 @@ pub async fn show(
     check_target(&headers, state.engine.region())?;
     let id = id.ok().and_then(|Path(id)| Uuid::parse_str(&id).ok()).ok_or(ApiError::NotFound)?;
     let local = state.engine.ledger().refund_of(client, id).await.map_err(EngineError::from)?;
-    let home = match &local {
-        Some(held) => match live::judge(&state.engine, client, held.into()).await? {
-            Standing::Live => return Ok(Json(&held.refund).into_response()),
-            Standing::Leftover { home } => home,
-        },
-        None => None,
-    };
-    if is_forwarded(&headers) {
-        return Err(if local.is_some() { ApiError::PaymentMoving } else { ApiError::NotFound });
-    }
-    let registry = state.engine.regions().current().await;
-    let asker = Asker { me: state.engine.region(), client };
-    match state.peers.one(&registry, asker, home.as_deref(), REFUNDS, &id.to_string()).await {
-        Asked::Found(refund) => Ok(Json(refund).into_response()),
-        Asked::Nowhere if local.is_some() => Err(ApiError::PaymentMoving),
-        Asked::Nowhere => Err(ApiError::NotFound),
-        Asked::Unreachable(regions) => Err(ApiError::PeersUnreachable(regions)),
-    }
+    let here = local.as_ref().map(|held| (&held.refund, held.into()));
+    Ok(Json(live::copy_of(&state, client, REFUNDS, id, here, is_forwarded(&headers)).await?).into_response())
 }
 
 /// The refunds of one payment, from every region, oldest first.

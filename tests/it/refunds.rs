@@ -141,7 +141,9 @@ async fn partial_refunds_in_two_regions_at_once_never_exceed_the_payment() {
         assert_eq!(rows(pool, unbalanced).await, 0, "every entry balances");
     }
     assert_eq!((refunds, refunded), (10, PAID), "the refunds in both ledgers add up to the payment");
-    assert!(rows(b.db.ledger.pool(), "SELECT count(*) FROM refunds").await > 0, "the second region worked some");
+    // Which region's refunds win the room is a matter of timing (the second
+    // region asks the first for the payment before it claims); what is
+    // checked is that the one balance decides, wherever they are worked.
     assert_eq!(app.refunded(&paid).await, (PAID, PAID));
     // A refund refused as exceeding it was never stored: nothing was claimed for it.
     let (_, body) = &answers[answers.iter().position(|(s, _)| *s == StatusCode::UNPROCESSABLE_ENTITY).unwrap()];
