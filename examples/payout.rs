@@ -148,6 +148,7 @@ fn engine(keys: &DynamoKeyStore, ledger: &Ledger, rail: &str, instance: &str) ->
         retention: Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
         max_unknown_attempts: 5,
         probe_backoff: ProbeBackoff { first: Duration::from_millis(100), max: Duration::from_secs(1) },
+        answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
     };
     let rails = Rails::new([RailClient::new(PAYOUT_RAIL, rail, Duration::from_secs(2), 3)]);
     Engine::new(keys.clone(), ledger.clone(), rails, regions, settings)

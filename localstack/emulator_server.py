@@ -26,7 +26,7 @@ Two more departures from stock moto, both towards real DynamoDB:
 And one addition for tests, a fault switch (see localstack/README.md):
 ``POST /_keyfence/faults`` arms a fault for the next ``count`` requests of
 one operation on one table, ``DELETE /_keyfence/faults?table=T`` disarms
-that table's faults. Two kinds:
+that table's faults. Three kinds:
 - ``{"table": T, "operation": "DeleteItem", "count": 1, "action":
   "drop_reply", "delay_ms": 1500}``: the request is applied, then its reply
   is held back ``delay_ms`` (other requests are served meanwhile) and the
@@ -36,6 +36,10 @@ that table's faults. Two kinds:
   "code": "ThrottlingException"}``: the request is answered with that
   DynamoDB error and not applied (``InternalServerError`` is a 500,
   ``ServiceUnavailable`` a 503, any other code a 400).
+- ``{"table": T, "operation": "PutItem", "count": 1000, "action":
+  "omit_item"}``: the request is applied as usual, but a failed
+  condition is answered without the item it failed on, as dynalite
+  answers (it ignores ``ReturnValuesOnConditionCheckFailure``).
 """
 
 import argparse
@@ -81,7 +85,7 @@ class Faults:
         if method == "POST":
             spec = json.loads(read_body(environ) or b"{}")
             missing = {"table", "operation", "count", "action"} - spec.keys()
-            if missing or spec["action"] not in ("drop_reply", "error") or (
+            if missing or spec["action"] not in ("drop_reply", "error", "omit_item") or (
                 spec["action"] == "error" and "code" not in spec
             ):
                 return reply(start_response, "400 Bad Request", {"error": f"bad fault {spec}; missing {sorted(missing)}"})
@@ -115,6 +119,28 @@ class Faults:
                         self._armed.remove(fault)
                     return fault
         return None
+
+
+def omit_item(app, environ, start_response):
+    """Runs the request; a failed condition's reply loses the item it
+    carries, as some DynamoDB implementations (dynalite) answer."""
+    answer = {}
+
+    def capture(status, headers, exc_info=None):
+        answer["status"], answer["headers"] = status, headers
+
+    body = b"".join(app(environ, capture))
+    try:
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and parsed.get("__type", "").endswith("ConditionalCheckFailedException"):
+        parsed.pop("Item", None)
+        body = json.dumps(parsed).encode()
+        headers = [(k, v) for k, v in answer["headers"] if k.lower() not in ("content-length", "x-amz-crc32")]
+        answer["headers"] = headers + [("Content-Length", str(len(body)))]
+    start_response(answer["status"], answer["headers"])
+    return [body]
 
 
 def read_body(environ):
@@ -183,6 +209,8 @@ class Serialized:
         with self._lock:
             # Materialize the body inside the lock: a lazy iterator would let
             # the backend run part of the request after the lock is released.
+            if fault and fault["action"] == "omit_item":
+                return omit_item(self._app, environ, start_response)
             if not (fault and fault["action"] == "drop_reply"):
                 return [b"".join(self._app(environ, start_response))]
             b"".join(self._app(environ, lambda *args, **kwargs: None))

@@ -134,6 +134,7 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
         retention: work.retention.retention(),
         max_unknown_attempts: work.max_unknown_attempts,
         probe_backoff: work.probe_backoff(),
+        answer_limit: work.answer_limit as usize,
     };
     Ok(Engine::new(keys, ledger, rails, regions, engine_settings))
 }

@@ -32,4 +32,4 @@ pub use refund::RefundRequest;
 pub use request_hash::RequestHash;
 pub use retention::Retention;
 pub use scoped_key::ScopedKey;
-pub use stored_response::StoredResponse;
+pub use stored_response::{ANSWER_LIMIT, StoredResponse};

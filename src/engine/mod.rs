@@ -69,6 +69,9 @@ pub struct EngineSettings {
     pub max_unknown_attempts: i32,
     /// How long the recovery worker leaves a parked request before probing it again.
     pub probe_backoff: crate::domain::ProbeBackoff,
+    /// The largest final answer a request may store, in bytes
+    /// ([`StoredResponse::size`](crate::domain::StoredResponse::size)).
+    pub answer_limit: usize,
 }
 
 /// The engine, over any key store (DynamoDB in the service).

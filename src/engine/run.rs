@@ -291,7 +291,12 @@ impl<K: KeyStore> Engine<K> {
                 Work::Local(point) => {
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     if let Some(answer) = op.local(point, &mut cx).await? {
-                        phase.store_answer(&attempt.record, attempt.known_answer.as_ref().unwrap_or(&answer)).await?;
+                        // An answer already known (stored before) is kept as it is.
+                        let answer = match &attempt.known_answer {
+                            Some(known) => known,
+                            None => self.within_limit(&answer)?,
+                        };
+                        phase.store_answer(&attempt.record, answer).await?;
                     }
                 }
                 Work::Intent(ext) => {
@@ -303,7 +308,11 @@ impl<K: KeyStore> Engine<K> {
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     let answer = op.declined(ext, declined, &mut cx).await?;
                     metrics::counter!("keyfence_declines_total", "step" => ext.name).increment(1);
-                    phase.store_answer(&attempt.record, attempt.known_answer.as_ref().unwrap_or(&answer)).await?;
+                    let answer = match &attempt.known_answer {
+                        Some(known) => known,
+                        None => self.within_limit(&answer)?,
+                    };
+                    phase.store_answer(&attempt.record, answer).await?;
                 }
             }
         }
@@ -312,6 +321,19 @@ impl<K: KeyStore> Engine<K> {
         attempt.at = phase.commit().await?;
         failpoint::boundary(|| format!("after-commit:{to}"));
         Ok(())
+    }
+
+    /// A final answer that fits the stored-answer limit. One that does not
+    /// is the operation's bug: the phase that would store it rolls back, so
+    /// the request stays where it was and nothing oversized is ever kept.
+    fn within_limit<'a>(&self, answer: &'a StoredResponse) -> Result<&'a StoredResponse, EngineError> {
+        let (size, limit) = (answer.size(), self.settings.answer_limit);
+        if size > limit {
+            return Err(EngineError::Fault(format!(
+                "a final answer of {size} bytes is over the stored-answer limit of {limit} (KEYFENCE_ANSWER_LIMIT)"
+            )));
+        }
+        Ok(answer)
     }
 
     /// Sends external step `ext` (its intent is committed).

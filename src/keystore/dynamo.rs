@@ -150,6 +150,38 @@ impl DynamoKeyStore {
         s(key.partition_key())
     }
 
+    /// A failed condition with the item it failed on. DynamoDB sends the
+    /// item with the failure (`ReturnValuesOnConditionCheckFailure`); an
+    /// implementation that does not (dynalite) leaves it to a consistent
+    /// read here. The read sees that item or a later one, and every caller
+    /// decides as it would on a write refused at the moment of the read:
+    /// the condition was false then too unless the item changed, and a
+    /// changed item is another owner's (taken, fenced out) or our own
+    /// earlier delivery (recognised by fence and identity, as from
+    /// DynamoDB). With DynamoDB a failure without an item means there was
+    /// none, and the read finds none or a newer one: the same decisions.
+    async fn with_item(&self, key: &ScopedKey, failure: Failure) -> Failure {
+        let Failure::Condition(None) = failure else { return failure };
+        match self.read(key).await {
+            Ok(item) => Failure::Condition(item),
+            Err(e) => Failure::Store(e),
+        }
+    }
+
+    /// The key's item as it is now (a strongly consistent read).
+    async fn read(&self, key: &ScopedKey) -> Result<Option<Attrs>, KeyStoreError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(attr::PK, Self::pk(key))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(store_error)?;
+        Ok(out.item().cloned())
+    }
+
     /// Every entry of in-flight index partition `partition` (whose sort key
     /// lies before `before`, if given), page after page.
     async fn query_index<T>(
@@ -191,7 +223,8 @@ impl DynamoKeyStore {
     /// Sets the lease of the started item `holder` holds to end at `until`:
     /// a heartbeat, or a hand-back with the lease at zero.
     async fn set_lease(&self, key: &ScopedKey, holder: &Holder, until: Millis) -> Result<(), Failure> {
-        self.client
+        let sent = self
+            .client
             .update_item()
             .table_name(&self.table)
             .key(attr::PK, Self::pk(key))
@@ -201,9 +234,11 @@ impl DynamoKeyStore {
             .set_expression_attribute_values(Some(held_by(holder, [(":until", n(until.get()))])))
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
-            .await
-            .map(|_| ())
-            .map_err(classify)
+            .await;
+        match sent.map_err(classify) {
+            Ok(_) => Ok(()),
+            Err(failure) => Err(self.with_item(key, failure).await),
+        }
     }
 
     /// Installs `owner` under fence `seen + 1` with a new lease, if the item
@@ -248,7 +283,7 @@ impl DynamoKeyStore {
             .await;
         match sent.map_err(classify) {
             Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
-            Err(failure) => ours_or_taken(failure, |current| {
+            Err(failure) => ours_or_taken(self.with_item(key, failure).await, |current| {
                 current.owner == *owner
                     && current.fence == seen.next()
                     && current.state == KeyState::Started
@@ -310,9 +345,9 @@ impl KeyStore for DynamoKeyStore {
             .await;
         match sent.map_err(classify) {
             Ok(_) => Ok(item),
-            Err(failure) => {
-                ours_or_taken(failure, |existing| existing.owner == claim.owner && existing.fence == Fence::FIRST)
-            }
+            Err(failure) => ours_or_taken(self.with_item(&claim.key, failure).await, |existing| {
+                existing.owner == claim.owner && existing.fence == Fence::FIRST
+            }),
         }
     }
 
@@ -390,7 +425,11 @@ impl KeyStore for DynamoKeyStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        match sent.map_err(classify) {
+        let sent = match sent.map_err(classify) {
+            Err(failure) => Err(self.with_item(key, failure).await),
+            Ok(out) => Ok(out),
+        };
+        match sent {
             Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
             // Our own earlier delivery may have landed before the SDK's
             // retry: finished under our fence *and* by us. Anyone else's
@@ -427,6 +466,10 @@ impl KeyStore for DynamoKeyStore {
             // A lease that ended long ago: the next actor resumes at once.
             Release::Reopen => self.set_lease(key, holder, Millis::new(0)).await,
         };
+        let sent = match sent {
+            Err(failure) => Err(self.with_item(key, failure).await),
+            ok => ok,
+        };
         match sent {
             Ok(()) => Ok(()),
             // Gone: our own earlier delivery deleted it, or it was forgotten
@@ -461,16 +504,7 @@ impl KeyStore for DynamoKeyStore {
     #[tracing::instrument(skip_all, fields(otel.name = "GetItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "GetItem", pk = %key))]
     async fn get(&self, key: &ScopedKey) -> Result<Option<KeyItem>, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "get")]);
-        let out = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key(attr::PK, Self::pk(key))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(store_error)?;
-        out.item().map(decode).transpose()
+        self.read(key).await?.as_ref().map(decode).transpose()
     }
 
     #[tracing::instrument(skip_all, fields(otel.name = "PutItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "PutItem", pk = %item.key))]
@@ -485,7 +519,11 @@ impl KeyStore for DynamoKeyStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        match sent.map_err(classify) {
+        let sent = match sent.map_err(classify) {
+            Err(failure) => Err(self.with_item(&item.key, failure).await),
+            Ok(out) => Ok(out),
+        };
+        match sent {
             Ok(_) => Ok(()),
             Err(Failure::Condition(existing)) => {
                 Err(KeyStoreError::Taken(existing.map(|e| decode(&e)).transpose()?.map(Box::new)))

@@ -160,6 +160,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
                 // resuming expect; the back-off has tests of its own.
                 probe_backoff_first: Duration::from_millis(1),
                 probe_backoff_max: Duration::from_millis(1),
+                answer_limit: keyfence::domain::ANSWER_LIMIT,
                 retention: Default::default(),
             },
         },

@@ -144,6 +144,7 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
         retention: keyfence::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
         max_unknown_attempts: 5,
         probe_backoff: keyfence::domain::ProbeBackoff { first: Duration::ZERO, max: Duration::ZERO },
+        answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
     };
     let regions = RegionView::new(RegionStore::new(keys.store.client().clone(), keys.store.table()), REGION_VIEW_AGE);
     let other = Engine::new(

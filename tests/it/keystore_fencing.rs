@@ -12,7 +12,7 @@ use crate::harness::{TestKeys, claim_of, fresh_key};
 
 const LEASE: Duration = Duration::from_secs(10);
 
-fn answer(body: &str) -> Finish {
+pub(crate) fn answer(body: &str) -> Finish {
     Finish {
         response: StoredResponse {
             status: 201,

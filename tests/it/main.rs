@@ -2,6 +2,7 @@
 //! (or LocalStack) at `AWS_ENDPOINT_URL` and PostgreSQL at `DATABASE_URL`.
 //! One binary, many modules; every test makes its own table and database.
 
+mod answer_limit;
 mod app;
 mod batch;
 mod cli;
@@ -9,6 +10,7 @@ mod client;
 mod clients;
 #[cfg(feature = "failpoints")]
 mod clock_skew;
+mod condition_items;
 mod connections;
 #[cfg(feature = "failpoints")]
 mod crash;

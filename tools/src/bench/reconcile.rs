@@ -150,6 +150,7 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> anyh
             retention: keyfence::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
             max_unknown_attempts: 5,
             probe_backoff: keyfence::domain::ProbeBackoff { first: Duration::ZERO, max: Duration::ZERO },
+            answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
         },
     );
 
