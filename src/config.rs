@@ -295,11 +295,12 @@ pub struct WorkSettings {
     #[arg(long = "probe-backoff-max-ms", env = "KEYFENCE_PROBE_BACKOFF_MAX_MS", default_value = "900000",
           value_parser = parse_millis)]
     pub probe_backoff_max: Duration,
-    /// The largest final answer (status, headers and body, in bytes) a request may store. Every
-    /// field of a request has a length limit that keeps its largest valid answer well below the
-    /// default; an answer over it is an operation's bug, refused before it is stored.
+    /// The largest final answer (status, headers and body, in bytes) a request may store, at
+    /// least the default. Every field of a request, and every text a rail answers with, has a
+    /// length limit that keeps the largest valid answer below the default; an answer over it is
+    /// an operation's bug, refused before it is stored.
     #[arg(long = "answer-limit", env = "KEYFENCE_ANSWER_LIMIT", default_value_t = crate::domain::ANSWER_LIMIT,
-          value_parser = clap::value_parser!(u32).range(256..=(350 * 1024)))]
+          value_parser = clap::value_parser!(u32).range(i64::from(crate::domain::ANSWER_LIMIT)..=(350 * 1024)))]
     pub answer_limit: u32,
     #[command(flatten)]
     pub retention: RetentionSettings,

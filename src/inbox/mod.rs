@@ -74,10 +74,16 @@ pub fn parse(rail: &str, id: &str, body: &[u8]) -> Result<Message, String> {
     let notice: Notice = serde_json::from_slice(body).map_err(|e| format!("not a rail notification: {e}"))?;
     let (own_id, kind, key, inner) = match notice {
         Notice::Applied { id, applied } => {
+            if !applied.fits() {
+                return Err(too_long());
+            }
             let key = applied.idempotency_key.clone();
             (id, "applied", key, serde_json::to_value(applied))
         }
         Notice::Declined { id, declined } => {
+            if !declined.fits() {
+                return Err(too_long());
+            }
             let key = declined.idempotency_key.clone();
             (id, "declined", key, serde_json::to_value(declined))
         }
@@ -100,6 +106,10 @@ pub fn parse(rail: &str, id: &str, body: &[u8]) -> Result<Message, String> {
         derived_key: uuid::Uuid::try_parse(&key).ok().filter(|k| k.simple().to_string() == key),
         body: inner.map_err(|e| e.to_string())?,
     })
+}
+
+fn too_long() -> String {
+    format!("a reference, reason or time is over {} characters", crate::rail::MAX_RAIL_TEXT)
 }
 
 /// Takes `message` in: recorded once, and its effect set going.

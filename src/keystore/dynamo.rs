@@ -450,25 +450,25 @@ impl KeyStore for DynamoKeyStore {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "release")]);
         let how = if how == Release::Forget && holder.fence != Fence::FIRST { Release::Reopen } else { how };
         let sent = match how {
-            Release::Forget | Release::Abandon => self
-                .client
-                .delete_item()
-                .table_name(&self.table)
-                .key(attr::PK, Self::pk(key))
-                .condition_expression(HELD_BY_ME)
-                .set_expression_attribute_names(Some(names_for(&["#fence", "#owner", "#state"])))
-                .set_expression_attribute_values(Some(held_by(holder, [])))
-                .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-                .send()
-                .await
-                .map(|_| ())
-                .map_err(classify),
+            Release::Forget | Release::Abandon => {
+                let sent = self
+                    .client
+                    .delete_item()
+                    .table_name(&self.table)
+                    .key(attr::PK, Self::pk(key))
+                    .condition_expression(HELD_BY_ME)
+                    .set_expression_attribute_names(Some(names_for(&["#fence", "#owner", "#state"])))
+                    .set_expression_attribute_values(Some(held_by(holder, [])))
+                    .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+                    .send()
+                    .await;
+                match sent.map_err(classify) {
+                    Ok(_) => Ok(()),
+                    Err(failure) => Err(self.with_item(key, failure).await),
+                }
+            }
             // A lease that ended long ago: the next actor resumes at once.
             Release::Reopen => self.set_lease(key, holder, Millis::new(0)).await,
-        };
-        let sent = match sent {
-            Err(failure) => Err(self.with_item(key, failure).await),
-            ok => ok,
         };
         match sent {
             Ok(()) => Ok(()),

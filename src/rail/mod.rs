@@ -102,15 +102,105 @@ pub enum Verdict {
     Declined(Declined),
 }
 
+/// The most characters a rail's answer may carry in a text keyfence keeps
+/// (its reference and time, a decline's code, reason and time). An answer
+/// with more settles nothing, so no rail can make a final answer outgrow
+/// the stored-answer cap.
+pub const MAX_RAIL_TEXT: usize = 140;
+
+fn short(text: &str) -> bool {
+    text.chars().count() <= MAX_RAIL_TEXT
+}
+
+impl Applied {
+    /// Whether its reference and time are within [`MAX_RAIL_TEXT`].
+    pub fn fits(&self) -> bool {
+        short(&self.reference) && short(&self.applied_at)
+    }
+}
+
+impl Declined {
+    /// Whether its code, reason and time are within [`MAX_RAIL_TEXT`].
+    pub fn fits(&self) -> bool {
+        short(&self.reason_code) && short(&self.reason) && short(&self.declined_at)
+    }
+}
+
+impl Verdict {
+    pub fn fits(&self) -> bool {
+        match self {
+            Verdict::Applied(applied) => applied.fits(),
+            Verdict::Declined(declined) => declined.fits(),
+        }
+    }
+}
+
 /// Whether `verdict` answers the instruction `sent` under `key`: an answer
 /// for another key, amount, currency or reference (a confused or hostile
-/// system, a proxy mixing answers up) settles nothing.
+/// system, a proxy mixing answers up), or one with texts too long to keep,
+/// settles nothing.
 pub fn answers(verdict: &Verdict, key: &str, sent: &Instruction) -> bool {
     let (answered_key, reference, amount) = match verdict {
         Verdict::Applied(a) => (&a.idempotency_key, &a.end_to_end_id, Some((a.amount_minor, &a.currency))),
         Verdict::Declined(d) => (&d.idempotency_key, &d.end_to_end_id, None),
     };
-    answered_key == key
+    verdict.fits()
+        && answered_key == key
         && *reference == sent.end_to_end_id
         && amount.is_none_or(|(minor, currency)| minor == sent.amount_minor && *currency == sent.currency)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sent() -> Instruction {
+        Instruction {
+            originator: "client".into(),
+            end_to_end_id: "E2E-1".into(),
+            amount_minor: 1250,
+            currency: "EUR".into(),
+            debtor_account: "DE89370400440532013000".into(),
+            creditor_account: "FR1420041010050500013M02606".into(),
+        }
+    }
+
+    fn applied(reference: &str) -> Verdict {
+        Verdict::Applied(Applied {
+            idempotency_key: "k".into(),
+            end_to_end_id: "E2E-1".into(),
+            amount_minor: 1250,
+            currency: "EUR".into(),
+            originator: "client".into(),
+            reference: reference.into(),
+            applied_at: "2026-12-01T00:00:00Z".into(),
+        })
+    }
+
+    fn declined(reason: &str) -> Verdict {
+        Verdict::Declined(Declined {
+            idempotency_key: "k".into(),
+            end_to_end_id: "E2E-1".into(),
+            reason_code: "amount_over_limit".into(),
+            reason: reason.into(),
+            declined_at: "2026-12-01T00:00:00Z".into(),
+        })
+    }
+
+    #[test]
+    fn an_answer_with_texts_too_long_to_keep_settles_nothing() {
+        let longest = "\u{1D11E}".repeat(MAX_RAIL_TEXT);
+        assert!(answers(&applied(&longest), "k", &sent()));
+        assert!(!answers(&applied(&format!("{longest}x")), "k", &sent()));
+        assert!(answers(&declined(&longest), "k", &sent()));
+        assert!(!answers(&declined(&format!("{longest}x")), "k", &sent()));
+    }
+
+    #[test]
+    fn an_answer_about_another_instruction_settles_nothing() {
+        assert!(!answers(&applied("R-1"), "other", &sent()));
+        let mut other = sent();
+        other.amount_minor = 1251;
+        assert!(!answers(&applied("R-1"), "k", &other));
+    }
 }
