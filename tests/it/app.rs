@@ -184,6 +184,8 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,
+        partitions_interval_ms: 0,
+        partitions: Default::default(),
         fair_use: Default::default(),
         region_secret_file: None,
         region_secret: Some(RegionSecret::new(REGION_SECRET).unwrap()),
@@ -379,10 +381,27 @@ impl TestApp {
     /// Key items in the key table (control items, such as the region
     /// registry, left out).
     pub async fn key_items(&self) -> usize {
-        let out = self.keys.store.client().scan().table_name(self.keys.store.table()).send().await.unwrap();
         let control = |item: &&std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>| {
             item.get("pk").and_then(|pk| pk.as_s().ok()).is_some_and(|pk| pk.starts_with(CONTROL_PREFIX))
         };
-        out.items().iter().filter(|item| !control(item)).count()
+        let (mut items, mut start) = (0, None);
+        loop {
+            let page = self
+                .keys
+                .store
+                .client()
+                .scan()
+                .table_name(self.keys.store.table())
+                .projection_expression("pk")
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .unwrap();
+            items += page.items().iter().filter(|item| !control(item)).count();
+            start = page.last_evaluated_key().cloned();
+            if start.is_none() {
+                return items;
+            }
+        }
     }
 }

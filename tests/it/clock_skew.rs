@@ -18,13 +18,8 @@ use crate::process::{ServeProcess, keyfence_command};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_whose_clock_runs_a_lease_ahead_pays_nothing_twice() {
     let app = spawn_app().await;
-    app.e1.set_faults(json!({ "latency_ms": 1500 })).await;
-    let body = payment("E2E-SKEW");
-    // The live owner: this app, with a true clock and a 10 s lease, at E1.
-    let live = app.pay_in_background(&app.url, "skew-1", &body);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
-    // Another instance whose clock runs 30 s (three leases) ahead.
+    // Another instance whose clock runs 30 s (three leases) ahead, started
+    // first: the race below is between two requests, not a process start.
     let mut command = keyfence_command(&app, "serve");
     command
         .env("KEYFENCE_CLOCK_OFFSET_MS", "30000")
@@ -33,6 +28,12 @@ async fn an_instance_whose_clock_runs_a_lease_ahead_pays_nothing_twice() {
         .env("KEYFENCE_LEASE_MS", "10000")
         .env("KEYFENCE_RAIL_TIMEOUT_MS", "3000");
     let skewed = ServeProcess::spawn(command).await;
+
+    app.e1.set_faults(json!({ "latency_ms": 1500 })).await;
+    let body = payment("E2E-SKEW");
+    // The live owner: this app, with a true clock and a 10 s lease, at E1.
+    let live = app.pay_in_background(&app.url, "skew-1", &body);
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let taken = app.try_pay_at(&skewed.url, &app.api_key, "skew-1", &body).await.unwrap();
     assert_eq!(taken.status(), StatusCode::CREATED, "it saw the lease as over and took the request over");
 
