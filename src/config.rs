@@ -347,35 +347,6 @@ impl Default for RetentionSettings {
     }
 }
 
-/// How the ledger's day partitions are kept (see `ledger::partitions`).
-#[derive(Args, Clone, Debug)]
-pub struct PartitionSettings {
-    /// Days of partitions made ahead, today (UTC) included.
-    #[arg(long = "partitions-ahead-days", env = "KEYFENCE_PARTITIONS_AHEAD_DAYS", default_value_t = 3,
-          value_parser = clap::value_parser!(u32).range(1..=60))]
-    pub ahead_days: u32,
-    /// How long a finished request's rows outlive its key's retention and grace: a margin for a key
-    /// finished late (after a key-store outage), so no live key ever lacks its ledger rows.
-    #[arg(long = "partition-margin", env = "KEYFENCE_PARTITION_MARGIN", default_value = "1d",
-          value_parser = parse_duration)]
-    pub margin: Duration,
-}
-
-impl Default for PartitionSettings {
-    fn default() -> Self {
-        Self { ahead_days: 3, margin: Duration::from_secs(86_400) }
-    }
-}
-
-impl PartitionSettings {
-    pub fn options(&self, retention: &crate::domain::Retention) -> crate::ledger::partitions::Options {
-        crate::ledger::partitions::Options {
-            ahead_days: self.ahead_days,
-            keep: retention.keep + retention.grace + self.margin,
-        }
-    }
-}
-
 /// A positive duration such as `72h`, `90s` or `1h 30m`.
 fn parse_duration(raw: &str) -> Result<Duration, String> {
     match humantime::parse_duration(raw) {
@@ -531,12 +502,6 @@ pub struct ServeSettings {
     #[arg(long = "expire-rate", env = "KEYFENCE_EXPIRE_RATE", default_value_t = 50,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub expire_rate: u32,
-    /// How often `serve` maintains the ledger's day partitions, in milliseconds (0: never; then run
-    /// `keyfence maintain --partitions` on a schedule). One instance at a time does it.
-    #[arg(long = "partitions-interval-ms", env = "KEYFENCE_PARTITIONS_INTERVAL_MS", default_value_t = 3_600_000)]
-    pub partitions_interval_ms: u64,
-    #[command(flatten)]
-    pub partitions: PartitionSettings,
     #[command(flatten)]
     pub fair_use: FairUseSettings,
     /// File holding the region secret every region of the deployment shares (at least 32 bytes),

@@ -28,7 +28,6 @@
 //! | `keyfence_key_store_errors_total` | `op`, `kind` | failed attempts at the key table by DynamoDB operation: `throttled`, `unavailable`, `other` |
 //! | `http_server_request_duration_seconds` | `http_request_method`, `http_route`, `http_response_status_code` | OpenTelemetry's `http.server.request.duration` |
 //! | `keyfence_ledger_phase_seconds` | `to` | latency of each ledger phase, by the recovery point it reaches |
-//! | `keyfence_ledger_days`, `keyfence_ledger_requests_outside_days` | | the days the idempotency tables are partitioned into, and the requests outside every day (in the default partition), at the last partition maintenance (gauges) |
 //! | `keyfence_rail_seconds` | `rail`, `call` | latency of each call to a rail (`send`, `probe`) |
 //! | `process_cpu_seconds_total` (a counter), `process_resident_memory_bytes`, ... | | the process |
 //!
@@ -77,11 +76,6 @@ fn describe() {
     describe_counter!("keyfence_limiter_decisions_total", "Fair-use decisions, by limiter and decision");
     describe_counter!("keyfence_throttled_total", "Requests turned away by fair use, by reason");
     describe_gauge!("keyfence_payment_tasks_in_flight", "Payment tasks running now in this instance");
-    describe_gauge!("keyfence_ledger_days", "Days the ledger's idempotency tables are partitioned into");
-    describe_gauge!(
-        "keyfence_ledger_requests_outside_days",
-        "Requests outside every day partition of the ledger (in the default partition)"
-    );
     describe_counter!("keyfence_connections_refused_total", "Connections closed unanswered, by reason");
     describe_counter!("keyfence_registry_reads_total", "Reads of the region registry");
     describe_gauge!(

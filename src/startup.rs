@@ -155,8 +155,6 @@ pub struct Application {
     webhooks: Option<(Duration, Arc<webhooks::worker::Worker>)>,
     /// `None`: no inbox worker in this process.
     inbox_interval: Option<Duration>,
-    /// `None`: this process leaves the ledger's partitions alone.
-    partitions: Option<(Duration, crate::ledger::partitions::Options)>,
 }
 
 impl Application {
@@ -262,9 +260,6 @@ impl Application {
             expiry,
             webhooks,
             inbox_interval: Some(Duration::from_millis(settings.inbox_interval_ms)).filter(|d| !d.is_zero()),
-            partitions: Some(Duration::from_millis(settings.partitions_interval_ms))
-                .filter(|d| !d.is_zero())
-                .map(|every| (every, settings.partitions.options(&settings.engine.work.retention.retention()))),
         })
     }
 
@@ -279,9 +274,9 @@ impl Application {
     }
 
     /// Serves (and runs the recovery worker, the expiry sweeper, the
-    /// webhook delivery worker, the inbox worker, the partition keeper and
-    /// the ledger fence's follower) until `shutdown` resolves, then
-    /// finishes in-flight requests.
+    /// webhook delivery worker, the inbox worker and the ledger fence's
+    /// follower) until `shutdown` resolves, then finishes
+    /// in-flight requests.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let (stop, stopped) = tokio::sync::watch::channel(());
         let follower = tokio::spawn(crate::regions::follow_registry(
@@ -302,14 +297,6 @@ impl Application {
         let clerk = self.inbox_interval.map(|every| {
             tokio::spawn(crate::inbox::worker::run_until_stopped(self.engine.clone(), every, stopped.clone()))
         });
-        let keeper = self.partitions.map(|(every, options)| {
-            tokio::spawn(crate::ledger::partitions::run_until_stopped(
-                self.engine.ledger().clone(),
-                every,
-                options,
-                stopped.clone(),
-            ))
-        });
         let (admin_listener, admin_router) = self.admin;
         let mut admin_stopped = stopped;
         let admin = tokio::spawn(server::serve(admin_listener, admin_router, self.limits, async move {
@@ -320,7 +307,7 @@ impl Application {
             drop(stop);
         })
         .await;
-        for task in worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain(keeper).chain([follower]) {
+        for task in worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain([follower]) {
             let _ = task.await;
         }
         let _ = admin.await;

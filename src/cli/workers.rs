@@ -193,12 +193,6 @@ pub struct MaintainArgs {
     /// Delete finished keys past their retention (for tables without a time-to-live).
     #[arg(long)]
     expire: bool,
-    /// Add the ledger's day partitions ahead, and drop the days whose requests are all finished
-    /// and past the retention, its grace and the margin (a day with an unfinished request is kept).
-    #[arg(long)]
-    partitions: bool,
-    #[command(flatten)]
-    partition_settings: keyfence::config::PartitionSettings,
     /// Deletes per second at most.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
     rate: u32,
@@ -212,47 +206,10 @@ pub struct MaintainArgs {
     retention: keyfence::config::RetentionSettings,
     #[command(flatten)]
     keys: KeyStoreSettings,
-    #[command(flatten)]
-    ledger: keyfence::config::LedgerSettings,
-}
-
-/// What `maintain` did, as `--json` prints it: the expiry sweep's report
-/// at the top (as before there were partitions), the partitions' beside it.
-#[derive(serde::Serialize)]
-struct Maintained {
-    #[serde(flatten)]
-    expire: Option<keyfence::expiry::Report>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    partitions: Option<keyfence::ledger::partitions::Report>,
 }
 
 pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.expire || args.partitions, "nothing to do: say what to maintain (--expire, --partitions)");
-    let partitions = if args.partitions {
-        let ledger = keyfence::ledger::Ledger::connect(&args.ledger).await?;
-        let options = args.partition_settings.options(&args.retention.retention());
-        let report = ledger.maintain_partitions(options).await?;
-        if !args.json {
-            print!("{}", report.summary());
-        }
-        Some(report)
-    } else {
-        None
-    };
-    let expire = if args.expire { Some(expire(&args).await?) } else { None };
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&Maintained { expire: expire.clone(), partitions: partitions.clone() })?
-        );
-    }
-    let failures = expire.iter().map(|r| r.failures.len()).sum::<usize>()
-        + partitions.iter().map(|r| r.failures.len()).sum::<usize>();
-    anyhow::ensure!(failures == 0, "{failures} failure(s)");
-    Ok(())
-}
-
-async fn expire(args: &MaintainArgs) -> anyhow::Result<keyfence::expiry::Report> {
+    anyhow::ensure!(args.expire, "nothing to do: say what to maintain (--expire)");
     let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
     let bar = ExpiryBar(indicatif::ProgressBar::new_spinner());
     bar.0.set_style(
@@ -263,8 +220,11 @@ async fn expire(args: &MaintainArgs) -> anyhow::Result<keyfence::expiry::Report>
     let options = keyfence::expiry::Options { segments: args.segments, rate: args.rate, grace: args.retention.grace };
     let report = keyfence::expiry::sweep(&keys, options, &bar).await;
     bar.0.finish_and_clear();
-    if !args.json {
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
         print!("{}", report.summary());
     }
-    Ok(report)
+    anyhow::ensure!(report.failures.is_empty(), "{} failure(s)", report.failures.len());
+    Ok(())
 }

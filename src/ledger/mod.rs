@@ -9,7 +9,6 @@ mod clients;
 mod error;
 pub mod external;
 pub mod inbox;
-pub mod partitions;
 pub mod payments;
 mod phase;
 pub mod refunds;

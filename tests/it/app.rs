@@ -184,8 +184,6 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,
-        partitions_interval_ms: 0,
-        partitions: Default::default(),
         fair_use: Default::default(),
         region_secret_file: None,
         region_secret: Some(RegionSecret::new(REGION_SECRET).unwrap()),

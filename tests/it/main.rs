@@ -39,7 +39,6 @@ mod lost_replies;
 mod metrics;
 #[cfg(feature = "failpoints")]
 mod parked;
-mod partitions;
 mod perimeter;
 mod process;
 mod protocol_model;
