@@ -150,21 +150,26 @@ impl DynamoKeyStore {
         s(key.partition_key())
     }
 
-    /// A failed condition with the item it failed on. DynamoDB sends the
-    /// item with the failure (`ReturnValuesOnConditionCheckFailure`); an
-    /// implementation that does not (dynalite) leaves it to a consistent
-    /// read here. The read sees that item or a later one, and every caller
+    /// A conditional write's result, a failed condition with the item it
+    /// failed on. DynamoDB sends the item with the failure
+    /// (`ReturnValuesOnConditionCheckFailure`); an implementation that does
+    /// not (dynalite) leaves it to a consistent read here. The read sees that item or a later one, and every caller
     /// decides as it would on a write refused at the moment of the read:
     /// the condition was false then too unless the item changed, and a
     /// changed item is another owner's (taken, fenced out) or our own
     /// earlier delivery (recognised by fence and identity, as from
     /// DynamoDB). With DynamoDB a failure without an item means there was
     /// none, and the read finds none or a newer one: the same decisions.
-    async fn with_item(&self, key: &ScopedKey, failure: Failure) -> Failure {
-        let Failure::Condition(None) = failure else { return failure };
-        match self.read(key).await {
-            Ok(item) => Failure::Condition(item),
-            Err(e) => Failure::Store(e),
+    async fn settled<T, E>(&self, key: &ScopedKey, sent: Result<T, SdkError<E, HttpResponse>>) -> Result<T, Failure>
+    where
+        E: ConditionFailure + ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    {
+        match sent.map_err(classify) {
+            Err(Failure::Condition(None)) => match self.read(key).await {
+                Ok(item) => Err(Failure::Condition(item)),
+                Err(e) => Err(Failure::Store(e)),
+            },
+            settled => settled,
         }
     }
 
@@ -235,10 +240,7 @@ impl DynamoKeyStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        match sent.map_err(classify) {
-            Ok(_) => Ok(()),
-            Err(failure) => Err(self.with_item(key, failure).await),
-        }
+        self.settled(key, sent).await.map(|_| ())
     }
 
     /// Installs `owner` under fence `seen + 1` with a new lease, if the item
@@ -281,9 +283,9 @@ impl DynamoKeyStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        match sent.map_err(classify) {
+        match self.settled(key, sent).await {
             Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
-            Err(failure) => ours_or_taken(self.with_item(key, failure).await, |current| {
+            Err(failure) => ours_or_taken(failure, |current| {
                 current.owner == *owner
                     && current.fence == seen.next()
                     && current.state == KeyState::Started
@@ -343,11 +345,11 @@ impl KeyStore for DynamoKeyStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        match sent.map_err(classify) {
+        match self.settled(&claim.key, sent).await {
             Ok(_) => Ok(item),
-            Err(failure) => ours_or_taken(self.with_item(&claim.key, failure).await, |existing| {
-                existing.owner == claim.owner && existing.fence == Fence::FIRST
-            }),
+            Err(failure) => {
+                ours_or_taken(failure, |existing| existing.owner == claim.owner && existing.fence == Fence::FIRST)
+            }
         }
     }
 
@@ -425,11 +427,7 @@ impl KeyStore for DynamoKeyStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        let sent = match sent.map_err(classify) {
-            Err(failure) => Err(self.with_item(key, failure).await),
-            Ok(out) => Ok(out),
-        };
-        match sent {
+        match self.settled(key, sent).await {
             Ok(out) => decode(out.attributes().unwrap_or(&HashMap::new())),
             // Our own earlier delivery may have landed before the SDK's
             // retry: finished under our fence *and* by us. Anyone else's
@@ -462,10 +460,7 @@ impl KeyStore for DynamoKeyStore {
                     .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
                     .send()
                     .await;
-                match sent.map_err(classify) {
-                    Ok(_) => Ok(()),
-                    Err(failure) => Err(self.with_item(key, failure).await),
-                }
+                self.settled(key, sent).await.map(|_| ())
             }
             // A lease that ended long ago: the next actor resumes at once.
             Release::Reopen => self.set_lease(key, holder, Millis::new(0)).await,
@@ -519,11 +514,7 @@ impl KeyStore for DynamoKeyStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
-        let sent = match sent.map_err(classify) {
-            Err(failure) => Err(self.with_item(&item.key, failure).await),
-            Ok(out) => Ok(out),
-        };
-        match sent {
+        match self.settled(&item.key, sent).await {
             Ok(_) => Ok(()),
             Err(Failure::Condition(existing)) => {
                 Err(KeyStoreError::Taken(existing.map(|e| decode(&e)).transpose()?.map(Box::new)))
