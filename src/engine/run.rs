@@ -291,11 +291,7 @@ impl<K: KeyStore> Engine<K> {
                 Work::Local(point) => {
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     if let Some(answer) = op.local(point, &mut cx).await? {
-                        // An answer already known (stored before) is kept as it is.
-                        let answer = match &attempt.known_answer {
-                            Some(known) => known,
-                            None => self.within_limit(&answer)?,
-                        };
+                        let answer = self.answer_to_store(attempt.known_answer.as_ref(), &answer)?;
                         phase.store_answer(&attempt.record, answer).await?;
                     }
                 }
@@ -308,10 +304,7 @@ impl<K: KeyStore> Engine<K> {
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     let answer = op.declined(ext, declined, &mut cx).await?;
                     metrics::counter!("keyfence_declines_total", "step" => ext.name).increment(1);
-                    let answer = match &attempt.known_answer {
-                        Some(known) => known,
-                        None => self.within_limit(&answer)?,
-                    };
+                    let answer = self.answer_to_store(attempt.known_answer.as_ref(), &answer)?;
                     phase.store_answer(&attempt.record, answer).await?;
                 }
             }
@@ -323,17 +316,26 @@ impl<K: KeyStore> Engine<K> {
         Ok(())
     }
 
-    /// A final answer that fits the stored-answer limit. One that does not
-    /// is the operation's bug: the phase that would store it rolls back, so
-    /// the request stays where it was and nothing oversized is ever kept.
-    fn within_limit<'a>(&self, answer: &'a StoredResponse) -> Result<&'a StoredResponse, EngineError> {
-        let (size, limit) = (answer.size(), self.settings.answer_limit);
+    /// The final answer a phase stores: one already known (stored before)
+    /// as it is, else `fresh` if it fits the stored-answer limit. One that
+    /// does not is the operation's bug: the phase that would store it rolls
+    /// back, so the request stays where it was and nothing oversized is
+    /// ever kept.
+    fn answer_to_store<'a>(
+        &self,
+        known: Option<&'a StoredResponse>,
+        fresh: &'a StoredResponse,
+    ) -> Result<&'a StoredResponse, EngineError> {
+        if let Some(known) = known {
+            return Ok(known);
+        }
+        let (size, limit) = (fresh.size(), self.settings.answer_limit);
         if size > limit {
             return Err(EngineError::Fault(format!(
                 "a final answer of {size} bytes is over the stored-answer limit of {limit} (KEYFENCE_ANSWER_LIMIT)"
             )));
         }
-        Ok(answer)
+        Ok(fresh)
     }
 
     /// Sends external step `ext` (its intent is committed).
