@@ -156,15 +156,16 @@ fn engine(keys: &DynamoKeyStore, ledger: &Ledger, rail: &str, instance: &str) ->
 
 #[tokio::main]
 pub async fn main() -> anyhow::Result<()> {
-    // The stores: a key table of this run's own (removed at the end) and a
-    // database of this example's own.
+    // The stores: a key table and a database of this run's own, both
+    // removed at the end.
     let mut key_settings = KeyStoreSettings::from_env()?;
     key_settings.table = format!("keyfence-example-payout-{}", uuid::Uuid::new_v4().simple());
     let client = keystore::connect(&key_settings).await.context("reaching DynamoDB (AWS_ENDPOINT_URL)")?;
     keystore::ensure_table(&client, &key_settings.table).await?;
     let keys = DynamoKeyStore::new(client.clone(), key_settings.table.clone());
     let mut ledger_settings = LedgerSettings::from_env()?;
-    ledger_settings.database_url = ledger_settings.database_url.with_database("keyfence_example_payout");
+    let database = format!("keyfence_example_payout_{}", uuid::Uuid::new_v4().simple());
+    ledger_settings.database_url = ledger_settings.database_url.with_database(&database);
     let (ledger, _) = Ledger::migrate(&ledger_settings).await.context("reaching PostgreSQL (DATABASE_URL)")?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS example_payouts (
@@ -174,8 +175,19 @@ pub async fn main() -> anyhow::Result<()> {
     .execute(ledger.pool())
     .await?;
     let checked = pay_out_once(&keys, &ledger).await;
+    ledger.pool().close().await;
     client.delete_table().table_name(&key_settings.table).send().await?;
+    drop_database(&ledger_settings).await?;
     checked
+}
+
+/// Drops the run's database, from the server's maintenance database.
+async fn drop_database(settings: &LedgerSettings) -> anyhow::Result<()> {
+    let url = &settings.database_url;
+    let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone()).await?;
+    let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", keyfence::ledger::quote_ident(url.database()));
+    sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await?;
+    Ok(())
 }
 
 /// Pays one payout out for two callers at once and a later retry, and
