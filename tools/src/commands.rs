@@ -43,6 +43,16 @@ pub struct BenchArgs {
     /// Its admin listener, for the CPU time serve spends (its /metrics).
     #[arg(long = "admin-url", default_value = "http://127.0.0.1:9090")]
     admin_url: String,
+    /// A second instance of the same stack: every payment is replayed to it
+    /// as well, where its answer is not in memory.
+    #[arg(long = "cold-url", requires = "cold_admin_url")]
+    cold_url: Option<String>,
+    /// That instance's admin listener.
+    #[arg(long = "cold-admin-url")]
+    cold_admin_url: Option<String>,
+    /// Runs at each concurrency; the summary takes their median.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
     /// Payments to send (each phase sends this many).
     #[arg(short = 'n', long, default_value_t = 1000)]
     requests: usize,
@@ -111,30 +121,40 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         e1: RailClient::new("screening", &args.rails.e1_url, args.rails.rail_timeout, args.rails.rail_attempts),
         e2: RailClient::new("payment", &args.rails.e2_url, args.rails.rail_timeout, args.rails.rail_attempts),
     };
+    let serve = bench::front_door::Instance { url: args.url.clone(), admin_url: args.admin_url.clone() };
+    let cold = args.cold_url.clone().zip(args.cold_admin_url.clone());
+    let cold = cold.map(|(url, admin_url)| bench::front_door::Instance { url, admin_url });
     let mut runs = Vec::new();
-    for &concurrency in &args.concurrency {
-        let plan = bench::front_door::BenchPlan {
-            url: args.url.clone(),
-            admin_url: args.admin_url.clone(),
-            api_key: api_key.reveal().to_owned(),
-            requests: args.requests,
-            concurrency,
-        };
-        let report = bench::front_door::run(&plan, &floor).await;
-        print!("{}", report.table());
-        for figures in [&report.payments, &report.replays] {
-            if figures.failures > 0 || figures.statuses.keys().any(|&status| status != 201) {
-                anyhow::bail!(
-                    "{} did not all answer 201 ({:?}, {} failed): these figures would not measure payments",
-                    figures.label,
-                    figures.statuses,
-                    figures.failures
-                );
+    for repeat in 0..args.repeat.max(1) {
+        for &concurrency in &args.concurrency {
+            let plan = bench::front_door::BenchPlan {
+                serve: serve.clone(),
+                cold: cold.clone(),
+                api_key: api_key.reveal().to_owned(),
+                requests: args.requests,
+                concurrency,
+                floors_first: repeat % 2 == 1,
+            };
+            let report = bench::front_door::run(&plan, &floor).await;
+            println!("run {} of {}", repeat + 1, args.repeat.max(1));
+            print!("{}", report.table());
+            for figures in
+                [Some(&report.payments), Some(&report.replays), report.cold_replays.as_ref()].into_iter().flatten()
+            {
+                if figures.failures > 0 || figures.statuses.keys().any(|&status| status != 201) {
+                    anyhow::bail!(
+                        "{} did not all answer 201 ({:?}, {} failed): these figures would not measure payments",
+                        figures.label,
+                        figures.statuses,
+                        figures.failures
+                    );
+                }
             }
+            runs.push(report);
         }
-        runs.push(report);
     }
-    let sweep = bench::front_door::Sweep { machine: bench::Machine::this(), runs };
+    let sweep = bench::summary::Sweep::new(bench::Machine::this(), runs);
+    print!("{}", sweep.table());
     write_figures(&args.out, &serde_json::to_vec_pretty(&sweep)?)?;
     if let Some(dir) = &args.plots {
         std::fs::create_dir_all(dir)?;

@@ -1,15 +1,17 @@
 //! `keyfence bench`: measures a running front door. It sends N payments
-//! with distinct keys at concurrency C, then replays all N, and in the same
-//! run measures two floors: a bare loop doing only what a payment must do
-//! (a claim and a finish in the key store, three PostgreSQL transactions,
-//! one call to each rail), and the raw replay floor (one key-store round
-//! trip of the kind a replay makes on an instance that has not seen its
-//! answer: a claim of an existing key, answered with the item), so the
-//! front door's own overhead is the ratio of each pair. The serve process's
-//! CPU time per request comes from its own `/metrics`
-//! (`process_cpu_seconds_total`, read before and after each phase). Figures
-//! go to a JSON file and a table on stdout; a progress bar shows on a
-//! terminal.
+//! with distinct keys at concurrency C and replays all N, to the instance
+//! that worked them (which replays from memory) and, when given one, to a
+//! second instance that has not seen them (which asks the key store). In
+//! the same run it measures two floors: a bare loop doing only what a
+//! payment must do (a claim and a finish in the key store, three PostgreSQL
+//! transactions, one call to each rail), and the raw replay floor (one
+//! key-store round trip of the kind a replay makes on an instance that has
+//! not seen its answer: a claim of an existing key, answered with the item),
+//! so the front door's own overhead is the ratio of each pair. CPU per
+//! request is the working process's: serve's from its own `/metrics`
+//! (`process_cpu_seconds_total`), the floors' from this process's
+//! `/proc/self/stat`, each read before and after its phase. Figures go to
+//! a JSON file and a table on stdout; a progress bar shows on a terminal.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -31,12 +33,23 @@ use super::percentile;
 
 /// Where and how hard to push.
 pub struct BenchPlan {
-    pub url: String,
-    /// Its admin listener (for serve's CPU time).
-    pub admin_url: String,
+    /// The instance that works the payments.
+    pub serve: Instance,
+    /// A second instance of the same stack, for replays it has not seen.
+    pub cold: Option<Instance>,
     pub api_key: String,
     pub requests: usize,
     pub concurrency: usize,
+    /// Measure the floors before the front door (runs alternate, so that a
+    /// store slowing as it fills weighs on both sides alike).
+    pub floors_first: bool,
+}
+
+/// One serve process: its API and its admin listener (for its CPU time).
+#[derive(Debug, Clone)]
+pub struct Instance {
+    pub url: String,
+    pub admin_url: String,
 }
 
 /// The parts the floor loop talks to directly.
@@ -58,8 +71,9 @@ pub struct Figures {
     pub p99_ms: f64,
     /// Answers by HTTP status (the floor counts 200 for a completed loop).
     pub statuses: BTreeMap<u16, usize>,
-    /// CPU time the serve process spent per request (front-door phases only).
-    pub serve_cpu_ms_per_request: Option<f64>,
+    /// CPU time per request of the process doing the work: serve for the
+    /// front door, this process for the floors.
+    pub cpu_ms_per_request: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -67,31 +81,92 @@ pub struct Report {
     pub requests: usize,
     pub concurrency: usize,
     pub payments: Figures,
+    /// Replays answered by the instance that worked them, from memory.
     pub replays: Figures,
+    /// Replays answered by an instance that had not seen them.
+    pub cold_replays: Option<Figures>,
     pub floor: Figures,
     pub replay_floor: Figures,
+}
+
+impl Report {
     /// Front-door p50 latency over the floor's.
-    pub p50_over_floor: f64,
+    pub fn p50_over_floor(&self) -> f64 {
+        self.payments.p50_ms / self.floor.p50_ms.max(f64::EPSILON)
+    }
+
     /// The front door's throughput over the floor's (1.0: no overhead).
-    pub payments_over_floor: f64,
-    /// Replay throughput over the raw replay floor's.
-    pub replays_over_floor: f64,
+    pub fn payments_over_floor(&self) -> f64 {
+        throughput(&self.payments, &self.floor)
+    }
+
+    /// serve's CPU per payment over the floor loop's CPU per iteration.
+    pub fn cpu_over_floor(&self) -> Option<f64> {
+        cpu(&self.payments, &self.floor)
+    }
+
+    /// Replays from memory over the raw replay floor's throughput.
+    pub fn replays_over_floor(&self) -> f64 {
+        throughput(&self.replays, &self.replay_floor)
+    }
+
+    /// Replays on an instance that has not seen them, over the replay floor.
+    pub fn cold_replays_over_floor(&self) -> Option<f64> {
+        Some(throughput(self.cold_replays.as_ref()?, &self.replay_floor))
+    }
+
+    /// Their CPU per replay over the replay floor's CPU per round trip.
+    pub fn cold_cpu_over_floor(&self) -> Option<f64> {
+        cpu(self.cold_replays.as_ref()?, &self.replay_floor)
+    }
 }
 
-/// Every run of one `keyfence bench`, one per concurrency, and where it ran.
-#[derive(Debug, Clone, Serialize)]
-pub struct Sweep {
-    pub machine: super::Machine,
-    pub runs: Vec<Report>,
+fn throughput(a: &Figures, floor: &Figures) -> f64 {
+    a.per_second / floor.per_second.max(f64::EPSILON)
 }
 
-/// Runs the four measurements at one concurrency.
+fn cpu(a: &Figures, floor: &Figures) -> Option<f64> {
+    Some(a.cpu_ms_per_request? / floor.cpu_ms_per_request?.max(f64::EPSILON))
+}
+
+/// Runs the five measurements at one concurrency.
 pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
+    let client = ClientId::generate();
+    if plan.floors_first {
+        let (floor, replay_floor) = floors(plan, stack, client).await;
+        let (payments, replays, cold_replays) = front_door(plan).await;
+        Report {
+            requests: plan.requests,
+            concurrency: plan.concurrency,
+            payments,
+            replays,
+            cold_replays,
+            floor,
+            replay_floor,
+        }
+    } else {
+        let (payments, replays, cold_replays) = front_door(plan).await;
+        let (floor, replay_floor) = floors(plan, stack, client).await;
+        Report {
+            requests: plan.requests,
+            concurrency: plan.concurrency,
+            payments,
+            replays,
+            cold_replays,
+            floor,
+            replay_floor,
+        }
+    }
+}
+
+/// N payments with fresh keys, then the same N replayed to the instance
+/// that worked them and to the one that has not seen them.
+async fn front_door(plan: &BenchPlan) -> (Figures, Figures, Option<Figures>) {
     let http = reqwest::Client::new();
     let batch = Uuid::new_v4().simple().to_string();
-    let send = |i: usize| {
+    let send = |to: &Instance, i: usize| {
         let request = http
-            .post(format!("{}/v1/payments", plan.url))
+            .post(format!("{}/v1/payments", to.url))
             .bearer_auth(&plan.api_key)
             .header("Idempotency-Key", format!("bench-{batch}-{i}"))
             .json(&json!({
@@ -103,31 +178,48 @@ pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
             }));
         async move { request.send().await.map(|r| r.status().as_u16()).map_err(|e| e.to_string()) }
     };
-    let cpu = || serve_cpu_seconds(&http, &plan.admin_url);
-    let before = cpu().await;
-    let mut payments = measure("payments", plan, send).await;
-    let between = cpu().await;
-    let mut replays = measure("replays", plan, send).await;
-    let after = cpu().await;
-    let per_request =
-        |from: Option<f64>, to: Option<f64>, f: &Figures| Some((to? - from?) * 1000.0 / f.requests.max(1) as f64);
-    payments.serve_cpu_ms_per_request = per_request(before, between, &payments);
-    replays.serve_cpu_ms_per_request = per_request(between, after, &replays);
-    let client = ClientId::generate();
-    let floor = measure("floor", plan, |i| floor_loop(stack, client, i)).await;
-    let replay_floor = measure("replay floor", plan, |i| replay_floor_loop(stack, client, i)).await;
-    let ratio = |a: &Figures, b: &Figures| a.per_second / b.per_second.max(f64::EPSILON);
-    Report {
-        requests: plan.requests,
-        concurrency: plan.concurrency,
-        p50_over_floor: payments.p50_ms / floor.p50_ms.max(f64::EPSILON),
-        payments_over_floor: ratio(&payments, &floor),
-        replays_over_floor: ratio(&replays, &replay_floor),
-        payments,
-        replays,
-        floor,
-        replay_floor,
-    }
+    let payments = against(&http, plan, &plan.serve, "payments", |i| send(&plan.serve, i)).await;
+    let replays = against(&http, plan, &plan.serve, "replays", |i| send(&plan.serve, i)).await;
+    let cold_replays = match &plan.cold {
+        Some(cold) => Some(against(&http, plan, cold, "cold replays", |i| send(cold, i)).await),
+        None => None,
+    };
+    (payments, replays, cold_replays)
+}
+
+/// `send` measured against one instance, with its CPU per request.
+async fn against<F, Fut>(
+    http: &reqwest::Client,
+    plan: &BenchPlan,
+    to: &Instance,
+    label: &'static str,
+    send: F,
+) -> Figures
+where
+    F: Fn(usize) -> Fut + Sync,
+    Fut: Future<Output = Result<u16, String>>,
+{
+    let before = serve_cpu_seconds(http, &to.admin_url).await;
+    let mut figures = measure(label, plan, send).await;
+    figures.cpu_ms_per_request = per_request(before, serve_cpu_seconds(http, &to.admin_url).await, &figures);
+    figures
+}
+
+/// The floor loop and the replay floor over the floor's own keys, with
+/// this process's CPU per iteration.
+async fn floors(plan: &BenchPlan, stack: &Floor, client: ClientId) -> (Figures, Figures) {
+    let before = own_cpu_seconds();
+    let mut floor = measure("floor", plan, |i| floor_loop(stack, client, i)).await;
+    let between = own_cpu_seconds();
+    let mut replay_floor = measure("replay floor", plan, |i| replay_floor_loop(stack, client, i)).await;
+    floor.cpu_ms_per_request = per_request(before, between, &floor);
+    replay_floor.cpu_ms_per_request = per_request(between, own_cpu_seconds(), &replay_floor);
+    (floor, replay_floor)
+}
+
+/// CPU milliseconds per request between two readings of CPU seconds.
+fn per_request(from: Option<f64>, to: Option<f64>, figures: &Figures) -> Option<f64> {
+    Some((to? - from?) * 1000.0 / figures.requests.max(1) as f64)
 }
 
 /// The serve process's CPU seconds so far, from its `/metrics`.
@@ -135,6 +227,19 @@ async fn serve_cpu_seconds(http: &reqwest::Client, url: &str) -> Option<f64> {
     let text = http.get(format!("{url}/metrics")).send().await.ok()?.text().await.ok()?;
     text.lines().find_map(|line| line.strip_prefix("process_cpu_seconds_total ")?.trim().parse().ok())
 }
+
+/// This process's CPU seconds so far (user and system), from
+/// `/proc/self/stat`, in the kernel's 10 ms ticks as serve's own figure is.
+fn own_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces; the fields after it don't.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    let (utime, stime) = (fields.nth(11)?.parse::<f64>().ok()?, fields.next()?.parse::<f64>().ok()?);
+    Some((utime + stime) / USER_HZ)
+}
+
+/// The unit of `/proc`'s CPU times (fixed at 100 for user space on Linux).
+const USER_HZ: f64 = 100.0;
 
 /// One key-store round trip of the kind a replay makes: a claim of a key
 /// that exists (the floor loop made it), answered with the item.
@@ -255,7 +360,7 @@ where
         p50_ms: percentile(&latencies, 0.50),
         p99_ms: percentile(&latencies, 0.99),
         statuses,
-        serve_cpu_ms_per_request: None,
+        cpu_ms_per_request: None,
     }
 }
 
@@ -264,19 +369,27 @@ impl Report {
     pub fn table(&self) -> String {
         let mut out = format!("{} requests at concurrency {}\n", self.requests, self.concurrency);
         out += &format!(
-            "{:<12} {:>9} {:>9} {:>9} {:>8} {:>12}  statuses\n",
+            "{:<13} {:>9} {:>9} {:>9} {:>8} {:>12}  statuses\n",
             "", "req/s", "p50 ms", "p99 ms", "failed", "cpu ms/req"
         );
-        for f in [&self.payments, &self.replays, &self.floor, &self.replay_floor] {
-            let cpu = f.serve_cpu_ms_per_request.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.3}"));
+        let rows = [Some(&self.payments), Some(&self.replays), self.cold_replays.as_ref()];
+        for f in rows.into_iter().flatten().chain([&self.floor, &self.replay_floor]) {
+            let cpu = f.cpu_ms_per_request.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.3}"));
             out += &format!(
-                "{:<12} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12}  {:?}\n",
+                "{:<13} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12}  {:?}\n",
                 f.label, f.per_second, f.p50_ms, f.p99_ms, f.failures, cpu, f.statuses
             );
         }
+        let or_dash = |r: Option<f64>| r.map_or_else(|| "-".to_owned(), |r| format!("{r:.2}x"));
         out += &format!(
-            "payments run at {:.2}x the floor's throughput (p50 {:.2}x); replays at {:.2}x the replay floor's\n",
-            self.payments_over_floor, self.p50_over_floor, self.replays_over_floor
+            "payments: {:.2}x the floor's throughput, p50 {:.2}x, CPU {}; replays from memory {:.2}x, \
+             cold {} (CPU {}) the replay floor's\n",
+            self.payments_over_floor(),
+            self.p50_over_floor(),
+            or_dash(self.cpu_over_floor()),
+            self.replays_over_floor(),
+            or_dash(self.cold_replays_over_floor()),
+            or_dash(self.cold_cpu_over_floor()),
         );
         out
     }

@@ -1,13 +1,15 @@
-//! Plots of a front-door sweep: throughput and the serve process's CPU per
-//! request against concurrency, for payments, replays and their floors, drawn
-//! as SVG files. Their text stays text, set by whatever shows them, so
-//! drawing needs no font on the machine.
+//! Plots of a front-door sweep against concurrency: throughput, CPU per
+//! request and the ratios to the floors, for payments, replays and their
+//! floors, each point the median of its runs with a bar from the lowest to
+//! the highest. Drawn as SVG files whose text stays text, set by whatever
+//! shows them, so drawing needs no font on the machine.
 
 use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
 use super::front_door::{Figures, Report};
+use super::summary::Spread;
 
 #[derive(Debug, thiserror::Error)]
 #[error("drawing {path}: {reason}")]
@@ -23,10 +25,10 @@ struct Series {
     value: fn(&Report) -> Option<f64>,
 }
 
-/// Draws `throughput.svg` and `cpu.svg` into `dir`, each with a panel for
-/// first requests and one for replays; returns their paths.
+/// Draws `throughput.svg`, `cpu.svg` and `ratios.svg` into `dir`, each
+/// with a panel for first requests and one for replays; returns their paths.
 pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
-    let pictures: [(PathBuf, &str, [Panel; 2]); 2] = [
+    let pictures: [(PathBuf, &str, [Panel; 2]); 3] = [
         (
             dir.join("throughput.svg"),
             "requests per second",
@@ -41,7 +43,11 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                 Panel {
                     title: "Replays",
                     series: vec![
-                        Series { label: "replays", colour: RED, value: |r| Some(r.replays.per_second) },
+                        Series {
+                            label: "cold replays",
+                            colour: RED,
+                            value: |r| Some(r.cold_replays.as_ref()?.per_second),
+                        },
                         Series { label: "replay floor", colour: MAGENTA, value: |r| Some(r.replay_floor.per_second) },
                     ],
                 },
@@ -49,15 +55,43 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
         ),
         (
             dir.join("cpu.svg"),
-            "serve CPU ms per request",
+            "CPU ms per request",
             [
                 Panel {
                     title: "First requests",
-                    series: vec![Series { label: "payments", colour: BLUE, value: |r| cpu(&r.payments) }],
+                    series: vec![
+                        Series { label: "payments (serve)", colour: BLUE, value: |r| cpu(&r.payments) },
+                        Series { label: "floor (its loop)", colour: CYAN, value: |r| cpu(&r.floor) },
+                    ],
                 },
                 Panel {
                     title: "Replays",
-                    series: vec![Series { label: "replays", colour: RED, value: |r| cpu(&r.replays) }],
+                    series: vec![
+                        Series { label: "cold replays (serve)", colour: RED, value: |r| cpu(r.cold_replays.as_ref()?) },
+                        Series { label: "from memory (serve)", colour: GREEN, value: |r| cpu(&r.replays) },
+                        Series { label: "replay floor (its loop)", colour: MAGENTA, value: |r| cpu(&r.replay_floor) },
+                    ],
+                },
+            ],
+        ),
+        (
+            dir.join("ratios.svg"),
+            "over the floor",
+            [
+                Panel {
+                    title: "Payments over the floor",
+                    series: vec![
+                        Series { label: "throughput", colour: BLUE, value: |r| Some(r.payments_over_floor()) },
+                        Series { label: "p50 latency", colour: CYAN, value: |r| Some(r.p50_over_floor()) },
+                        Series { label: "CPU", colour: BLACK, value: Report::cpu_over_floor },
+                    ],
+                },
+                Panel {
+                    title: "Cold replays over the replay floor",
+                    series: vec![
+                        Series { label: "throughput", colour: RED, value: Report::cold_replays_over_floor },
+                        Series { label: "CPU", colour: BLACK, value: Report::cold_cpu_over_floor },
+                    ],
                 },
             ],
         ),
@@ -77,7 +111,22 @@ struct Panel {
 }
 
 fn cpu(figures: &Figures) -> Option<f64> {
-    figures.serve_cpu_ms_per_request
+    figures.cpu_ms_per_request
+}
+
+/// A series at each concurrency: the median of its runs, the lowest and
+/// the highest.
+fn points(runs: &[Report], line: &Series) -> Vec<(f64, Spread)> {
+    let mut levels: Vec<usize> = runs.iter().map(|r| r.concurrency).collect();
+    levels.sort_unstable();
+    levels.dedup();
+    levels
+        .into_iter()
+        .filter_map(|c| {
+            let values = runs.iter().filter(|r| r.concurrency == c).filter_map(|r| (line.value)(r));
+            Some((c.max(1) as f64, Spread::of(values)?))
+        })
+        .collect()
 }
 
 fn picture(runs: &[Report], path: &Path, axis: &str, panels: &[Panel]) -> Result<(), Box<dyn std::error::Error>> {
@@ -113,14 +162,16 @@ fn chart(
         .label_style(("sans-serif", 14))
         .draw()?;
     for line in &panel.series {
-        let points: Vec<(f64, f64)> =
-            runs.iter().filter_map(|r| Some((r.concurrency.max(1) as f64, (line.value)(r)?))).collect();
+        let points = points(runs, line);
         let colour = line.colour;
         chart
-            .draw_series(LineSeries::new(points.iter().copied(), colour.stroke_width(2)))?
+            .draw_series(LineSeries::new(points.iter().map(|&(c, s)| (c, s.median)), colour.stroke_width(2)))?
             .label(line.label)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
-        chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, colour.filled())))?;
+        chart.draw_series(points.iter().map(|&(c, s)| Circle::new((c, s.median), 4, colour.filled())))?;
+        chart.draw_series(
+            points.iter().map(|&(c, s)| PathElement::new([(c, s.min), (c, s.max)], colour.stroke_width(1))),
+        )?;
     }
     chart
         .configure_series_labels()
@@ -148,7 +199,7 @@ mod tests {
             p50_ms: 5.0,
             p99_ms: 9.0,
             statuses: BTreeMap::from([(201, 100)]),
-            serve_cpu_ms_per_request: Some(2.5),
+            cpu_ms_per_request: Some(2.5),
         }
     }
 
@@ -157,12 +208,10 @@ mod tests {
             requests: 100,
             concurrency,
             payments: figures("payments", 90.0 * concurrency as f64),
-            replays: figures("replays", 300.0 * concurrency as f64),
+            replays: figures("replays", 3000.0 * concurrency as f64),
+            cold_replays: Some(figures("cold replays", 300.0 * concurrency as f64)),
             floor: figures("floor", 100.0 * concurrency as f64),
             replay_floor: figures("replay floor", 320.0 * concurrency as f64),
-            p50_over_floor: 1.05,
-            payments_over_floor: 0.9,
-            replays_over_floor: 0.94,
         }
     }
 
@@ -172,8 +221,8 @@ mod tests {
     fn plots_are_svg_with_their_labels_as_text() {
         let dir = std::env::temp_dir().join(format!("keyfence-plots-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let drawn = draw(&[run(1), run(8), run(32)], &dir).unwrap();
-        assert_eq!(drawn.len(), 2);
+        let drawn = draw(&[run(1), run(1), run(8), run(32)], &dir).unwrap();
+        assert_eq!(drawn.len(), 3);
         for path in &drawn {
             let svg = std::fs::read_to_string(path).unwrap();
             assert!(svg.starts_with("<svg"), "{} is not SVG", path.display());
