@@ -278,10 +278,9 @@ impl<K: KeyStore> Engine<K> {
         // ago, and the fence check below is what stops the write.
         failpoint::boundary(|| format!("before-phase:{to}"));
         let fence = attempt.holder.fence;
-        let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &to).await?;
-        let missing = || EngineError::Fault("outcome missing".into());
         let points: Vec<&RecoveryPoint> = work.iter().map(Work::point).collect();
-        phase.record_points(&attempt.record, &points).await?;
+        let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &to, &points).await?;
+        let missing = || EngineError::Fault("outcome missing".into());
         for item in work {
             match item {
                 Work::Outcome(ext) => {
@@ -424,7 +423,7 @@ impl<K: KeyStore> Engine<K> {
         tracing::warn!(key = %attempt.record.key, step = ext.name, why, "external outcome unknown; parking the request");
         self.check_region().await?;
         let fence = attempt.holder.fence;
-        let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &attempt.at).await?;
+        let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &attempt.at, &[]).await?;
         let attempts = external::record_unknown_attempt(
             phase.conn(),
             &attempt.record,

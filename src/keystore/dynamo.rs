@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use aws_config::BehaviorVersion;
 use aws_config::retry::RetryConfig;
+use aws_config::stalled_stream_protection::StalledStreamProtectionConfig;
 use aws_config::timeout::TimeoutConfig;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
@@ -73,12 +74,18 @@ pub async fn connect(settings: &KeyStoreSettings) -> Result<Client, ConnectError
     let local = settings.local_endpoint();
     let retry =
         RetryConfig::standard().with_max_attempts(attempts(settings)?).with_initial_backoff(Duration::from_millis(25));
-    let mut loader = aws_config::defaults(BehaviorVersion::latest()).retry_config(retry).timeout_config(
-        TimeoutConfig::builder()
-            .connect_timeout(Duration::from_secs(3))
-            .operation_attempt_timeout(settings.attempt_timeout)
-            .build(),
-    );
+    // Every attempt is bounded whole by its timeout, so the SDK's watch on
+    // stalled response bodies (a timer polled beside every body it reads)
+    // guards nothing a key-store reply needs.
+    let mut loader = aws_config::defaults(BehaviorVersion::latest())
+        .retry_config(retry)
+        .timeout_config(
+            TimeoutConfig::builder()
+                .connect_timeout(Duration::from_secs(3))
+                .operation_attempt_timeout(settings.attempt_timeout)
+                .build(),
+        )
+        .stalled_stream_protection(StalledStreamProtectionConfig::disabled());
     // A local endpoint never asks the instance metadata service for a region.
     match (settings.aws_region.as_ref().filter(|r| !r.is_empty()), local) {
         (Some(region), _) => loader = loader.region(Region::new(region.clone())),

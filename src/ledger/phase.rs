@@ -2,9 +2,11 @@
 //!
 //! A phase is one transaction whose first statement moves the request row
 //! from the recovery point the phase starts at to the one it ends at, and
-//! only if the caller's fence is at least the row's (`fence <= $mine`). Zero
-//! rows means a newer owner exists or the phase already ran; the transaction
-//! is then dropped, so nothing the caller would have written survives. The
+//! only if the caller's fence is at least the row's (`fence <= $mine`), and
+//! records the recovery points the phase passes (the primary key of
+//! `phase_runs` makes a phase that already ran fail there). Zero rows means
+//! a newer owner exists or the phase already ran; the transaction is then
+//! dropped, so nothing the caller would have written survives. The
 //! row stays locked until commit, so an older owner cannot slip a write in
 //! between the check and the business writes that follow it. The same
 //! statement reads the ledger's region fence, under the advisory lock the
@@ -40,7 +42,6 @@ pub struct RequestRecord {
 /// without [`Phase::commit`] rolls everything back.
 pub struct Phase {
     tx: Transaction<'static, Postgres>,
-    fence: Fence,
     to: RecoveryPoint,
     /// Times the phase from its first statement to its commit (or rollback).
     _timer: Timer,
@@ -50,29 +51,6 @@ impl Phase {
     /// The transaction, for the phase's business writes.
     pub fn conn(&mut self) -> &mut PgConnection {
         &mut self.tx
-    }
-
-    /// Notes the recovery points the request passes in this phase, in one
-    /// statement. The primary key of `phase_runs` makes a phase that already
-    /// ran fail its transaction.
-    pub async fn record_points(
-        &mut self,
-        request: &RequestRecord,
-        points: &[&RecoveryPoint],
-    ) -> Result<(), LedgerError> {
-        let points: Vec<&str> = points.iter().map(|p| p.as_str()).collect();
-        sqlx::query(
-            "INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
-             SELECT $1, $2, $3, point, $5 FROM unnest($4::text[]) AS point",
-        )
-        .bind(request.key.client.as_uuid())
-        .bind(request.key.key.as_str())
-        .bind(timestamp(request.created_at))
-        .bind(points)
-        .bind(fence_param(self.fence))
-        .execute(&mut *self.tx)
-        .await?;
-        Ok(())
     }
 
     /// Stores the request's final answer, in the phase that finishes it.
@@ -116,16 +94,36 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
      RETURNING r.recovery_point";
 
 /// The first phase: insert the row at its first recovery point, or move a
-/// row adopted at `STARTED` ($10) there. Like every phase it first reads
-/// the region fence, in the same statement.
-const FIRST_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence)
-     INSERT INTO requests AS r
-        (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
-     SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
-     ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
-        SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
-      WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $10
-     RETURNING 1";
+/// row adopted at `STARTED` ($10) there, and record the points it passes
+/// ($11). Like every phase it first reads the region fence, in the same
+/// statement.
+const FIRST_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence),
+     moved AS (
+        INSERT INTO requests AS r
+           (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
+        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
+        ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
+           SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
+         WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $10
+        RETURNING 1),
+     passed AS (
+        INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
+        SELECT $1, $2, $3, point, $7 FROM unnest($11::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved))
+     SELECT 1 FROM moved";
+
+/// A later phase: move the row from $6 to $5 under fence $4, and record the
+/// points it passes ($7), reading the region fence in the same statement.
+const NEXT_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence),
+     moved AS (
+        UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
+         WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
+           AND fence <= $4 AND recovery_point = $6
+           AND NOT EXISTS (SELECT 1 FROM fence WHERE failed)
+        RETURNING 1),
+     passed AS (
+        INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
+        SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved))
+     SELECT 1 FROM moved";
 
 /// `sql` (one of the inserts above) with the row's columns bound as $1-$9.
 fn insert_row<'q>(
@@ -189,7 +187,9 @@ impl Ledger {
     }
 
     /// Opens the phase that moves `request` from `from` to `to` under
-    /// `fence`. The first phase (from `STARTED`) also creates the row.
+    /// `fence`, recording the recovery points it passes (`to` among them
+    /// unless the phase only writes beside the request, as a parked step's
+    /// does). The first phase (from `STARTED`) also creates the row.
     #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "begin_phase", key = %request.key, fence = %fence, to = %to))]
     pub async fn begin_phase(
         &self,
@@ -197,31 +197,31 @@ impl Ledger {
         fence: Fence,
         from: &RecoveryPoint,
         to: &RecoveryPoint,
+        passes: &[&RecoveryPoint],
     ) -> Result<Phase, LedgerError> {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
+        let passes: Vec<&str> = passes.iter().map(|p| p.as_str()).collect();
         let mut tx = self.pool.begin_with(super::region_fence::BEGIN_PHASE).await?;
         let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
-            insert_row(FIRST_PHASE, request, fence, to).bind(from.as_str()).fetch_optional(&mut *tx).await?
+            insert_row(FIRST_PHASE, request, fence, to)
+                .bind(from.as_str())
+                .bind(passes)
+                .fetch_optional(&mut *tx)
+                .await?
         } else {
-            sqlx::query(
-                "WITH fence AS (SELECT failed FROM region_fence)
-                 UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
-                  WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
-                    AND fence <= $4 AND recovery_point = $6
-                    AND NOT EXISTS (SELECT 1 FROM fence WHERE failed)
-                 RETURNING 1",
-            )
-            .bind(request.key.client.as_uuid())
-            .bind(request.key.key.as_str())
-            .bind(timestamp(request.created_at))
-            .bind(fence_param(fence))
-            .bind(to.as_str())
-            .bind(from.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
+            sqlx::query(NEXT_PHASE)
+                .bind(request.key.client.as_uuid())
+                .bind(request.key.key.as_str())
+                .bind(timestamp(request.created_at))
+                .bind(fence_param(fence))
+                .bind(to.as_str())
+                .bind(from.as_str())
+                .bind(passes)
+                .fetch_optional(&mut *tx)
+                .await?
         };
         if moved.is_some() {
-            return Ok(Phase { tx, fence, to: to.clone(), _timer: timer });
+            return Ok(Phase { tx, to: to.clone(), _timer: timer });
         }
         let fenced: Option<(bool, Option<String>)> =
             sqlx::query_as("SELECT failed, region FROM region_fence").fetch_optional(&mut *tx).await?;

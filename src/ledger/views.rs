@@ -141,7 +141,7 @@ impl Ledger {
     /// and the request `VOIDED`. A request adopted by a takeover that was
     /// fenced before its first phase has no payment and nothing to reverse.
     pub async fn void(&self, request: &RequestRecord, fence: Fence, from: &RecoveryPoint) -> Result<(), LedgerError> {
-        let mut phase = self.begin_phase(request, fence, from, &RecoveryPoint::VOIDED).await?;
+        let mut phase = self.begin_phase(request, fence, from, &RecoveryPoint::VOIDED, &[]).await?;
         reverse_postings(&mut phase, request, fence).await?;
         phase.commit().await?;
         Ok(())

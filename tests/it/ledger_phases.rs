@@ -72,6 +72,11 @@ async fn counts(ledger: &Ledger) -> (i64, i64, i64) {
     .unwrap()
 }
 
+/// The recovery points recorded so far, in name order.
+async fn points(ledger: &Ledger) -> Vec<String> {
+    sqlx::query_scalar("SELECT point FROM phase_runs ORDER BY point").fetch_all(ledger.pool()).await.unwrap()
+}
+
 async fn state(ledger: &Ledger, req: &RequestRecord) -> (i64, String) {
     sqlx::query_as("SELECT fence, recovery_point FROM requests WHERE client_id = $1 AND idem_key = $2")
         .bind(req.key.client.as_uuid())
@@ -82,7 +87,7 @@ async fn state(ledger: &Ledger, req: &RequestRecord) -> (i64, String) {
 }
 
 async fn first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Result<Phase, LedgerError> {
-    let mut phase = ledger.begin_phase(req, fence, &RecoveryPoint::STARTED, &H1_DONE).await?;
+    let mut phase = ledger.begin_phase(req, fence, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await?;
     hold_funds(phase.conn(), req, fence).await?;
     Ok(phase)
 }
@@ -98,19 +103,21 @@ async fn a_phase_under_an_older_fence_is_refused_and_writes_nothing() {
     assert_eq!(before, (1, 1, 2));
 
     let stale = Fence::new(1);
-    match db.ledger.begin_phase(&req, stale, &H1_DONE, &EXT1_SENT).await {
+    match db.ledger.begin_phase(&req, stale, &H1_DONE, &EXT1_SENT, &[&EXT1_SENT]).await {
         Err(LedgerError::FencedOut { mine, current }) => assert_eq!((mine, current), (stale, t)),
         Err(other) => panic!("expected fenced out, got {other}"),
         Ok(_) => panic!("a phase under fence t-1 was allowed to begin"),
     }
     assert_eq!(state(&db.ledger, &req).await, (2, "H1_DONE".into()));
     assert_eq!(counts(&db.ledger).await, before);
+    assert_eq!(points(&db.ledger).await, ["H1_DONE"], "the refused phase recorded a point");
 
     // The current owner carries on.
-    let mut next = db.ledger.begin_phase(&req, t, &H1_DONE, &EXT1_SENT).await.unwrap();
+    let mut next = db.ledger.begin_phase(&req, t, &H1_DONE, &EXT1_SENT, &[&EXT1_SENT]).await.unwrap();
     post(next.conn(), req.payment_id, "transfer", &[("DE01:held", -1250), ("FR02", 1250)], t).await.unwrap();
     assert_eq!(next.commit().await.unwrap(), EXT1_SENT);
     assert_eq!(state(&db.ledger, &req).await, (2, "EXT1_SENT".into()));
+    assert_eq!(points(&db.ledger).await, ["EXT1_SENT", "H1_DONE"]);
 }
 
 #[tokio::test]
@@ -128,7 +135,15 @@ async fn a_committed_phase_never_runs_twice() {
         Ok(_) => panic!("the first phase ran twice"),
     }
     assert!(matches!(
-        db.ledger.begin_phase(&req, Fence::FIRST, &EXT1_SENT, &RecoveryPoint::named("EXT1_DONE")).await,
+        db.ledger
+            .begin_phase(
+                &req,
+                Fence::FIRST,
+                &EXT1_SENT,
+                &RecoveryPoint::named("EXT1_DONE"),
+                &[&RecoveryPoint::named("EXT1_DONE")]
+            )
+            .await,
         Err(LedgerError::OutOfOrder { .. })
     ));
     assert_eq!(counts(&db.ledger).await, before);
@@ -174,7 +189,8 @@ async fn a_phase_dropped_before_commit_leaves_nothing() {
 async fn postings_must_balance_and_are_never_rewritten() {
     let db = TestLedger::new().await;
     let req = request();
-    let mut phase = db.ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await.unwrap();
+    let mut phase =
+        db.ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
     hold_funds(phase.conn(), &req, Fence::FIRST).await.unwrap();
     post(phase.conn(), req.payment_id, "fee", &[("DE01", -10)], Fence::FIRST).await.unwrap();
     let refused = phase.commit().await;
@@ -212,7 +228,7 @@ async fn fencing_the_ledger_returns_promptly_while_phases_keep_coming() {
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let req = request();
-                    match ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await {
+                    match ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await {
                         Ok(phase) => {
                             tokio::time::sleep(Duration::from_millis(100)).await;
                             if phase.commit().await.is_ok() {
@@ -270,12 +286,14 @@ async fn only_a_newer_epoch_moves_the_region_fence() {
 async fn a_stalled_phase_delays_a_fence_change_only_for_its_wait() {
     use std::time::{Duration, Instant};
     let db = TestLedger::new().await;
-    let stalled = db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await.unwrap();
+    let stalled =
+        db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
     let started = Instant::now();
     let change = db.ledger.set_region_fence(true, "r-1", 1, "drill").await;
     assert!(matches!(change, Err(LedgerError::FenceBusy(_))), "{change:?}");
     assert!(started.elapsed() < Duration::from_secs(10), "it gave up after its wait");
-    let after = db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE).await.unwrap();
+    let after =
+        db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
     after.commit().await.unwrap();
     assert!(!db.ledger.region_fence().await.unwrap().failed, "nothing changed");
     drop(stalled);

@@ -499,7 +499,13 @@ async fn a_handoff_for_a_request_never_written_here_leaves_a_void_that_stops_a_l
     let late = app
         .db
         .ledger
-        .begin_phase(&record, Fence::FIRST, &RecoveryPoint::STARTED, &RecoveryPoint::named("H1_DONE"))
+        .begin_phase(
+            &record,
+            Fence::FIRST,
+            &RecoveryPoint::STARTED,
+            &RecoveryPoint::named("H1_DONE"),
+            &[&RecoveryPoint::named("H1_DONE")],
+        )
         .await;
     assert!(matches!(late, Err(keyfence::ledger::LedgerError::FencedOut { .. })), "{:?}", late.map(|_| ()));
     assert_clean(&app).await;
