@@ -10,8 +10,10 @@
 //! so the front door's own overhead is the ratio of each pair. CPU per
 //! request is the working process's: serve's from its own `/metrics`
 //! (`process_cpu_seconds_total`), the floors' from this process's
-//! `/proc/self/stat`, each read before and after its phase. Figures go to
-//! a JSON file and a table on stdout; a progress bar shows on a terminal.
+//! `/proc/self/stat`, each read before and after its phase, with
+//! PostgreSQL's and the whole machine's beside them ([`super::cpu`]).
+//! Figures go to a JSON file and a table on stdout; a progress bar shows
+//! on a terminal.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -29,7 +31,7 @@ use keyfence::keystore::{Claim, DynamoKeyStore, Finish, KeyStore, Lease};
 use keyfence::ledger::Ledger;
 use keyfence::rail::{CallOutcome, Instruction, RailClient};
 
-use super::percentile;
+use super::{cpu, percentile};
 
 /// Where and how hard to push.
 pub struct BenchPlan {
@@ -74,6 +76,11 @@ pub struct Figures {
     /// CPU time per request of the process doing the work: serve for the
     /// front door, this process for the floors.
     pub cpu_ms_per_request: Option<f64>,
+    /// What every PostgreSQL process spent per request meanwhile.
+    pub postgres_cpu_ms_per_request: Option<f64>,
+    /// The whole machine's busy CPU per request meanwhile: serve, this
+    /// process, PostgreSQL, the key store's emulator and the rails.
+    pub machine_cpu_ms_per_request: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -201,25 +208,25 @@ where
 {
     let before = serve_cpu_seconds(http, &to.admin_url).await;
     let mut figures = measure(label, plan, send).await;
-    figures.cpu_ms_per_request = per_request(before, serve_cpu_seconds(http, &to.admin_url).await, &figures);
+    figures.cpu_ms_per_request = per_request(before, serve_cpu_seconds(http, &to.admin_url).await, figures.requests);
     figures
 }
 
 /// The floor loop and the replay floor over the floor's own keys, with
 /// this process's CPU per iteration.
 async fn floors(plan: &BenchPlan, stack: &Floor, client: ClientId) -> (Figures, Figures) {
-    let before = own_cpu_seconds();
+    let before = cpu::own_seconds();
     let mut floor = measure("floor", plan, |i| floor_loop(stack, client, i)).await;
-    let between = own_cpu_seconds();
+    let between = cpu::own_seconds();
     let mut replay_floor = measure("replay floor", plan, |i| replay_floor_loop(stack, client, i)).await;
-    floor.cpu_ms_per_request = per_request(before, between, &floor);
-    replay_floor.cpu_ms_per_request = per_request(between, own_cpu_seconds(), &replay_floor);
+    floor.cpu_ms_per_request = per_request(before, between, floor.requests);
+    replay_floor.cpu_ms_per_request = per_request(between, cpu::own_seconds(), replay_floor.requests);
     (floor, replay_floor)
 }
 
 /// CPU milliseconds per request between two readings of CPU seconds.
-fn per_request(from: Option<f64>, to: Option<f64>, figures: &Figures) -> Option<f64> {
-    Some((to? - from?) * 1000.0 / figures.requests.max(1) as f64)
+fn per_request(from: Option<f64>, to: Option<f64>, requests: usize) -> Option<f64> {
+    Some((to? - from?) * 1000.0 / requests.max(1) as f64)
 }
 
 /// The serve process's CPU seconds so far, from its `/metrics`.
@@ -227,19 +234,6 @@ async fn serve_cpu_seconds(http: &reqwest::Client, url: &str) -> Option<f64> {
     let text = http.get(format!("{url}/metrics")).send().await.ok()?.text().await.ok()?;
     text.lines().find_map(|line| line.strip_prefix("process_cpu_seconds_total ")?.trim().parse().ok())
 }
-
-/// This process's CPU seconds so far (user and system), from
-/// `/proc/self/stat`, in the kernel's 10 ms ticks as serve's own figure is.
-fn own_cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // The command name (field 2) may hold spaces; the fields after it don't.
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
-    let (utime, stime) = (fields.nth(11)?.parse::<f64>().ok()?, fields.next()?.parse::<f64>().ok()?);
-    Some((utime + stime) / USER_HZ)
-}
-
-/// The unit of `/proc`'s CPU times (fixed at 100 for user space on Linux).
-const USER_HZ: f64 = 100.0;
 
 /// One key-store round trip of the kind a replay makes: a claim of a key
 /// that exists (the floor loop made it), answered with the item.
@@ -317,6 +311,7 @@ where
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let next = Arc::new(AtomicUsize::new(0));
+    let (postgres, machine) = (cpu::postgres_seconds(), cpu::machine_seconds());
     let started = Instant::now();
     let workers = (0..plan.concurrency.max(1)).map(|_| {
         let (next, progress, one) = (next.clone(), progress.clone(), &one);
@@ -336,6 +331,7 @@ where
     });
     let results: Vec<_> = futures::future::join_all(workers).await.into_iter().flatten().collect();
     let seconds = started.elapsed().as_secs_f64();
+    let (postgres, machine) = ((postgres, cpu::postgres_seconds()), (machine, cpu::machine_seconds()));
     progress.finish_and_clear();
 
     let mut latencies: Vec<Duration> = results.iter().map(|(d, _)| *d).collect();
@@ -361,6 +357,8 @@ where
         p99_ms: percentile(&latencies, 0.99),
         statuses,
         cpu_ms_per_request: None,
+        postgres_cpu_ms_per_request: per_request(postgres.0, postgres.1, results.len()),
+        machine_cpu_ms_per_request: per_request(machine.0, machine.1, results.len()),
     }
 }
 
@@ -369,15 +367,23 @@ impl Report {
     pub fn table(&self) -> String {
         let mut out = format!("{} requests at concurrency {}\n", self.requests, self.concurrency);
         out += &format!(
-            "{:<13} {:>9} {:>9} {:>9} {:>8} {:>12}  statuses\n",
-            "", "req/s", "p50 ms", "p99 ms", "failed", "cpu ms/req"
+            "{:<13} {:>9} {:>9} {:>9} {:>8} {:>12} {:>8} {:>8}  statuses\n",
+            "", "req/s", "p50 ms", "p99 ms", "failed", "cpu ms/req", "pg ms", "all ms"
         );
         let rows = [Some(&self.payments), Some(&self.replays), self.cold_replays.as_ref()];
         for f in rows.into_iter().flatten().chain([&self.floor, &self.replay_floor]) {
-            let cpu = f.cpu_ms_per_request.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.3}"));
+            let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.3}"));
             out += &format!(
-                "{:<13} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12}  {:?}\n",
-                f.label, f.per_second, f.p50_ms, f.p99_ms, f.failures, cpu, f.statuses
+                "{:<13} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12} {:>8} {:>8}  {:?}\n",
+                f.label,
+                f.per_second,
+                f.p50_ms,
+                f.p99_ms,
+                f.failures,
+                ms(f.cpu_ms_per_request),
+                ms(f.postgres_cpu_ms_per_request),
+                ms(f.machine_cpu_ms_per_request),
+                f.statuses
             );
         }
         let or_dash = |r: Option<f64>| r.map_or_else(|| "-".to_owned(), |r| format!("{r:.2}x"));

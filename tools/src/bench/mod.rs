@@ -3,8 +3,10 @@
 //! the floor of its store and rail calls; [`summary`] takes the median of
 //! its repeated runs and judges them against the targets; [`reconcile`]
 //! measures how fast the reconciler compares and repairs, at several table
-//! sizes; [`plot`] draws the front door's figures against concurrency.
+//! sizes; [`plot`] draws the front door's figures against concurrency;
+//! [`cpu`] reads the CPU time they divide.
 
+pub mod cpu;
 pub mod front_door;
 pub mod plot;
 pub mod reconcile;

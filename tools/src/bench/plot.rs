@@ -200,6 +200,8 @@ mod tests {
             p99_ms: 9.0,
             statuses: BTreeMap::from([(201, 100)]),
             cpu_ms_per_request: Some(2.5),
+            postgres_cpu_ms_per_request: Some(1.5),
+            machine_cpu_ms_per_request: Some(6.0),
         }
     }
 
