@@ -139,30 +139,22 @@ fn cpu(a: &Figures, floor: &Figures) -> Option<f64> {
 /// Runs the five measurements at one concurrency.
 pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
     let client = ClientId::generate();
-    if plan.floors_first {
-        let (floor, replay_floor) = floors(plan, stack, client).await;
-        let (payments, replays, cold_replays) = front_door(plan).await;
-        Report {
-            requests: plan.requests,
-            concurrency: plan.concurrency,
-            payments,
-            replays,
-            cold_replays,
-            floor,
-            replay_floor,
-        }
+    let (front, floors) = if plan.floors_first {
+        let first = floors(plan, stack, client).await;
+        (front_door(plan).await, first)
     } else {
-        let (payments, replays, cold_replays) = front_door(plan).await;
-        let (floor, replay_floor) = floors(plan, stack, client).await;
-        Report {
-            requests: plan.requests,
-            concurrency: plan.concurrency,
-            payments,
-            replays,
-            cold_replays,
-            floor,
-            replay_floor,
-        }
+        let first = front_door(plan).await;
+        (first, floors(plan, stack, client).await)
+    };
+    let ((payments, replays, cold_replays), (floor, replay_floor)) = (front, floors);
+    Report {
+        requests: plan.requests,
+        concurrency: plan.concurrency,
+        payments,
+        replays,
+        cold_replays,
+        floor,
+        replay_floor,
     }
 }
 
