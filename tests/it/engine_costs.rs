@@ -1,10 +1,12 @@
-//! What the common path costs in key-store round trips, counted on the real
-//! store: a first payment is one claim and one finish (no read, no
-//! heartbeat); a replay is one claim whose failure carries the answer, or
-//! nothing at all in an instance that already knows the answer.
+//! What the common path costs in round trips, counted on the real stores: a
+//! first payment is one claim and one finish in the key store (no read, no
+//! heartbeat) and three ledger transactions of 20 statements; a replay is
+//! one claim whose failure carries the answer, or nothing at all in an
+//! instance that already knows the answer.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
@@ -17,10 +19,23 @@ use keyfence::operations::PaymentOperation;
 use keyfence::rail::RailClient;
 use keyfence::regions::{RegionStore, RegionView};
 use keyfence::startup::REGION_VIEW_AGE;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::prelude::*;
 use uuid::Uuid;
 
 use crate::app::{TestRail, payment};
 use crate::harness::{TestKeys, TestLedger, fresh_key};
+
+/// Counts the statements sqlx sends to PostgreSQL (each one round trip on a
+/// connection that has prepared it), from the event it logs for each.
+#[derive(Clone, Default)]
+struct Statements(Arc<AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Statements {
+    fn on_event(&self, _: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 /// A key store that counts the operations passing through to the real one.
 struct Counting<K> {
@@ -164,9 +179,18 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
         operation: PaymentOperation::new(PaymentRequest::parse(body.clone()).unwrap()),
     };
 
-    let first = engine.submit(submit("cost-1")).await.unwrap();
+    // The test's runtime runs every task on this thread, so a subscriber of
+    // this thread's sees every statement the payment sends.
+    let statements = Statements::default();
+    let only_statements = Targets::new().with_target("sqlx::query", tracing::Level::TRACE);
+    let counting_statements = tracing_subscriber::registry().with(statements.clone().with_filter(only_statements));
+    let first = {
+        let _counting = tracing::subscriber::set_default(counting_statements);
+        engine.submit(submit("cost-1")).await.unwrap()
+    };
     assert!(matches!(&first, Answer::Final { replayed: false, .. }), "{first:?}");
     assert_eq!(engine.keys().take(), BTreeMap::from([("claim", 1), ("finish", 1)]));
+    assert_eq!(statements.0.load(Ordering::Relaxed), 20, "PostgreSQL statements for the whole payment");
 
     // Another instance replays with one claim whose failure carries the answer...
     let replay = other.submit(submit("cost-1")).await.unwrap();
