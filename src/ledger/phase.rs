@@ -3,10 +3,11 @@
 //! A phase is one transaction whose first statement moves the request row
 //! from the recovery point the phase starts at to the one it ends at, and
 //! only if the caller's fence is at least the row's (`fence <= $mine`), and
-//! records the recovery points the phase passes (the primary key of
-//! `phase_runs` makes a phase that already ran fail there). Zero rows means
-//! a newer owner exists or the phase already ran; the transaction is then
-//! dropped, so nothing the caller would have written survives. The
+//! records the recovery points the phase passes, only if the row moved (the
+//! primary key of `phase_runs` stands behind that: no point is recorded
+//! twice). Zero rows means a newer owner exists or the phase already ran;
+//! the transaction is then dropped, so nothing the caller would have
+//! written survives. The
 //! row stays locked until commit, so an older owner cannot slip a write in
 //! between the check and the business writes that follow it. The same
 //! statement reads the ledger's region fence, under the advisory lock the
