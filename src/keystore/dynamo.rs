@@ -160,8 +160,9 @@ impl DynamoKeyStore {
     /// A conditional write's result, a failed condition with the item it
     /// failed on. DynamoDB sends the item with the failure
     /// (`ReturnValuesOnConditionCheckFailure`); an implementation that does
-    /// not (dynalite) leaves it to a consistent read here. The read sees that item or a later one, and every caller
-    /// decides as it would on a write refused at the moment of the read:
+    /// not (dynalite) leaves it to a consistent read here. The read sees
+    /// that item or a later one, and every caller decides as it would on a
+    /// write refused at the moment of the read:
     /// the condition was false then too unless the item changed, and a
     /// changed item is another owner's (taken, fenced out) or our own
     /// earlier delivery (recognised by fence and identity, as from

@@ -138,9 +138,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             let report = bench::front_door::run(&plan, &floor).await;
             println!("run {} of {}", repeat + 1, args.repeat.max(1));
             print!("{}", report.table());
-            for figures in
-                [Some(&report.payments), Some(&report.replays), report.cold_replays.as_ref()].into_iter().flatten()
-            {
+            for figures in report.front_door() {
                 if figures.failures > 0 || figures.statuses.keys().any(|&status| status != 201) {
                     anyhow::bail!(
                         "{} did not all answer 201 ({:?}, {} failed): these figures would not measure payments",

@@ -97,6 +97,12 @@ pub struct Report {
 }
 
 impl Report {
+    /// The figures of what the front door answered: payments, replays from
+    /// memory, and cold replays when measured.
+    pub fn front_door(&self) -> impl Iterator<Item = &Figures> {
+        [Some(&self.payments), Some(&self.replays), self.cold_replays.as_ref()].into_iter().flatten()
+    }
+
     /// Front-door p50 latency over the floor's.
     pub fn p50_over_floor(&self) -> f64 {
         self.payments.p50_ms / self.floor.p50_ms.max(f64::EPSILON)
@@ -362,8 +368,7 @@ impl Report {
             "{:<13} {:>9} {:>9} {:>9} {:>8} {:>12} {:>8} {:>8}  statuses\n",
             "", "req/s", "p50 ms", "p99 ms", "failed", "cpu ms/req", "pg ms", "all ms"
         );
-        let rows = [Some(&self.payments), Some(&self.replays), self.cold_replays.as_ref()];
-        for f in rows.into_iter().flatten().chain([&self.floor, &self.replay_floor]) {
+        for f in self.front_door().chain([&self.floor, &self.replay_floor]) {
             let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.3}"));
             out += &format!(
                 "{:<13} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12} {:>8} {:>8}  {:?}\n",

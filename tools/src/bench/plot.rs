@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 
 use super::front_door::{Figures, Report};
-use super::summary::Spread;
+use super::summary::{Spread, levels};
 
 #[derive(Debug, thiserror::Error)]
 #[error("drawing {path}: {reason}")]
@@ -117,10 +117,7 @@ fn cpu(figures: &Figures) -> Option<f64> {
 /// A series at each concurrency: the median of its runs, the lowest and
 /// the highest.
 fn points(runs: &[Report], line: &Series) -> Vec<(f64, Spread)> {
-    let mut levels: Vec<usize> = runs.iter().map(|r| r.concurrency).collect();
-    levels.sort_unstable();
-    levels.dedup();
-    levels
+    levels(runs)
         .into_iter()
         .filter_map(|c| {
             let values = runs.iter().filter(|r| r.concurrency == c).filter_map(|r| (line.value)(r));

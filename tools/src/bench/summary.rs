@@ -16,10 +16,7 @@ pub struct Sweep {
 
 impl Sweep {
     pub fn new(machine: super::Machine, runs: Vec<Report>) -> Self {
-        let mut levels: Vec<usize> = runs.iter().map(|r| r.concurrency).collect();
-        levels.sort_unstable();
-        levels.dedup();
-        let summary = levels
+        let summary = levels(&runs)
             .into_iter()
             .map(|c| Summary::of(c, runs.iter().filter(|r| r.concurrency == c).collect::<Vec<_>>()))
             .collect();
@@ -71,6 +68,14 @@ impl Sweep {
             })
             .collect()
     }
+}
+
+/// The concurrencies some runs were measured at, each once, lowest first.
+pub fn levels(runs: &[Report]) -> Vec<usize> {
+    let mut levels: Vec<usize> = runs.iter().map(|r| r.concurrency).collect();
+    levels.sort_unstable();
+    levels.dedup();
+    levels
 }
 
 /// The runs at one concurrency.
