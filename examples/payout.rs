@@ -166,7 +166,19 @@ pub async fn main() -> anyhow::Result<()> {
     let mut ledger_settings = LedgerSettings::from_env()?;
     let database = format!("keyfence_example_payout_{}", uuid::Uuid::new_v4().simple());
     ledger_settings.database_url = ledger_settings.database_url.with_database(&database);
-    let (ledger, _) = Ledger::migrate(&ledger_settings).await.context("reaching PostgreSQL (DATABASE_URL)")?;
+    let checked = run(&keys, &ledger_settings).await;
+    // Both stores go whatever happened, and the run's own failure is told first.
+    let table_deleted = client.delete_table().table_name(&key_settings.table).send().await;
+    let database_dropped = keyfence::ledger::drop_database(&ledger_settings).await;
+    checked?;
+    table_deleted?;
+    database_dropped?;
+    Ok(())
+}
+
+/// Migrates the run's database and pays the payout out over it.
+async fn run(keys: &DynamoKeyStore, settings: &LedgerSettings) -> anyhow::Result<()> {
+    let (ledger, _) = Ledger::migrate(settings).await.context("reaching PostgreSQL (DATABASE_URL)")?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS example_payouts (
             id uuid PRIMARY KEY, beneficiary text NOT NULL, amount_minor bigint NOT NULL,
@@ -174,20 +186,9 @@ pub async fn main() -> anyhow::Result<()> {
     )
     .execute(ledger.pool())
     .await?;
-    let checked = pay_out_once(&keys, &ledger).await;
+    let checked = pay_out_once(keys, &ledger).await;
     ledger.pool().close().await;
-    client.delete_table().table_name(&key_settings.table).send().await?;
-    drop_database(&ledger_settings).await?;
     checked
-}
-
-/// Drops the run's database, from the server's maintenance database.
-async fn drop_database(settings: &LedgerSettings) -> anyhow::Result<()> {
-    let url = &settings.database_url;
-    let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone()).await?;
-    let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", keyfence::ledger::quote_ident(url.database()));
-    sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await?;
-    Ok(())
 }
 
 /// Pays one payout out for two callers at once and a later retry, and

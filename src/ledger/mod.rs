@@ -125,6 +125,20 @@ async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError>
     }
 }
 
+/// Drops the configured database if it exists, ending the sessions still
+/// connected to it (a test's, an example's or a bench's own database).
+pub async fn drop_database(settings: &LedgerSettings) -> Result<(), LedgerError> {
+    let url = &settings.database_url;
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(url.with_database("postgres").options().clone())
+        .await?;
+    let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(url.database()));
+    sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await?;
+    Ok(())
+}
+
 /// Quotes a PostgreSQL identifier, so any database name is taken literally.
 pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))

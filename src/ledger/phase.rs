@@ -7,9 +7,9 @@
 //! primary key of `phase_runs` stands behind that: no point is recorded
 //! twice). Zero rows means a newer owner exists or the phase already ran;
 //! the transaction is then dropped, so nothing the caller would have
-//! written survives. The
-//! row stays locked until commit, so an older owner cannot slip a write in
-//! between the check and the business writes that follow it. The same
+//! written survives. The row stays locked until commit, so an older owner
+//! cannot slip a write in between the check and the business writes that
+//! follow it. The same
 //! statement reads the ledger's region fence, under the advisory lock the
 //! transaction took as it began ([`super::region_fence`]): a ledger whose
 //! region was declared failed commits nothing more.

@@ -104,18 +104,12 @@ fn url_with_database(base: &str, name: &str) -> String {
 
 impl Drop for TestLedger {
     fn drop(&mut self) {
-        let url = self.settings.database_url.clone();
+        let settings = self.settings.clone();
         // The pool's connections belong to the test's runtime, which is
         // blocked here; FORCE ends them from the server side instead.
         cleanup(async move {
-            let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", ledger::quote_ident(url.database()));
-            let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone()).await;
-            let dropped = match admin {
-                Ok(admin) => sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await.map(|_| ()),
-                Err(e) => Err(e),
-            };
-            if let Err(e) = dropped {
-                eprintln!("could not drop test database {}: {e}", url.database());
+            if let Err(e) = ledger::drop_database(&settings).await {
+                eprintln!("could not drop test database {}: {e}", settings.database_url.database());
             }
         });
     }

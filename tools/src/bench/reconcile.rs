@@ -178,7 +178,7 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> anyh
 
     keystore::delete_table(&client, &keys_settings.table).await?;
     ledger.pool().close().await;
-    drop_database(&ledger_settings).await?;
+    ledger::drop_database(&ledger_settings).await?;
     Ok(SizeFigures {
         keys: size,
         load_seconds,
@@ -325,15 +325,5 @@ async fn erase(ledger: &Ledger, payments: &[Uuid]) -> Result<(), EngineError> {
         query.execute(&mut *tx).await.map_err(ledger::LedgerError::from)?;
     }
     tx.commit().await.map_err(ledger::LedgerError::from)?;
-    Ok(())
-}
-
-async fn drop_database(settings: &keyfence::config::LedgerSettings) -> Result<(), EngineError> {
-    let url = &settings.database_url;
-    let admin = sqlx::PgPool::connect_with(url.with_database("postgres").options().clone())
-        .await
-        .map_err(ledger::LedgerError::from)?;
-    let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", ledger::quote_ident(url.database()));
-    sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&admin).await.map_err(ledger::LedgerError::from)?;
     Ok(())
 }
