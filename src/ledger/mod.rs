@@ -103,11 +103,7 @@ impl Ledger {
 /// Creates the configured database unless it exists; true if it created it.
 async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError> {
     let url = &settings.database_url;
-    let admin = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(url.with_database("postgres").options().clone())
-        .await?;
+    let admin = maintenance(settings).await?;
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
         .bind(url.database())
         .fetch_one(&admin)
@@ -129,14 +125,21 @@ async fn create_database(settings: &LedgerSettings) -> Result<bool, LedgerError>
 /// connected to it (a test's, an example's or a bench's own database).
 pub async fn drop_database(settings: &LedgerSettings) -> Result<(), LedgerError> {
     let url = &settings.database_url;
-    let admin = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(url.with_database("postgres").options().clone())
-        .await?;
+    let admin = maintenance(settings).await?;
     let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(url.database()));
     sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&admin).await?;
     Ok(())
+}
+
+/// One connection to the server's maintenance database, for creating and
+/// dropping the configured one.
+async fn maintenance(settings: &LedgerSettings) -> Result<sqlx::PgPool, LedgerError> {
+    let url = settings.database_url.with_database("postgres");
+    Ok(PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(url.options().clone())
+        .await?)
 }
 
 /// Quotes a PostgreSQL identifier, so any database name is taken literally.
