@@ -341,10 +341,61 @@ impl RetentionSettings {
     }
 }
 
+/// How the ledger's idempotency tables are partitioned by time, and how
+/// long they keep a request (see [`crate::ledger::partitions`]).
+#[derive(Args, Clone, Copy, Debug)]
+pub struct PartitionSettings {
+    /// The time one partition holds: a duration in whole seconds such as 1d or 6h.
+    #[arg(long = "partition-span", env = "KEYFENCE_PARTITION_SPAN", default_value = "1d", value_parser = parse_span)]
+    pub span: Duration,
+    /// How many spans past now have their partitions made.
+    #[arg(long = "partitions-ahead", env = "KEYFENCE_PARTITIONS_AHEAD", default_value_t = 7,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub ahead: u32,
+    /// How long the ledger keeps a request's rows after it began: at least the retention and its
+    /// grace, and longer than the rails take to return a payment (a return finds its payment
+    /// through them; a later one is kept for a person).
+    #[arg(long = "ledger-retention", env = "KEYFENCE_LEDGER_RETENTION", default_value = "35d",
+          value_parser = parse_duration)]
+    pub keep: Duration,
+}
+
+impl PartitionSettings {
+    /// The partitioning, refused if the ledger would drop a request whose key may still be live
+    /// (its retention, and a grace each for the clocks of the key store's writer and the ledger).
+    pub fn partitioning(&self, retention: &Retention) -> Result<crate::ledger::partitions::Partitioning, String> {
+        let least = retention.keep + retention.grace * 2;
+        if self.keep < least {
+            return Err(format!(
+                "KEYFENCE_LEDGER_RETENTION={} is shorter than the key retention and twice its grace ({}): the \
+                 ledger would drop requests whose keys are still replayed",
+                humantime::format_duration(self.keep),
+                humantime::format_duration(least),
+            ));
+        }
+        Ok(crate::ledger::partitions::Partitioning { span: self.span, ahead: self.ahead, keep: self.keep })
+    }
+}
+
+impl Default for PartitionSettings {
+    fn default() -> Self {
+        Self { span: Duration::from_secs(86_400), ahead: 7, keep: Duration::from_secs(35 * 86_400) }
+    }
+}
+
 impl Default for RetentionSettings {
     fn default() -> Self {
         Self { retention: None, retention_hours: None, grace: Duration::from_secs(600) }
     }
+}
+
+/// A positive duration in whole seconds, such as `1d` or `6h`.
+fn parse_span(raw: &str) -> Result<Duration, String> {
+    let span = parse_duration(raw)?;
+    if span.subsec_nanos() != 0 {
+        return Err("expected whole seconds".into());
+    }
+    Ok(span)
 }
 
 /// A positive duration such as `72h`, `90s` or `1h 30m`.
@@ -502,6 +553,12 @@ pub struct ServeSettings {
     #[arg(long = "expire-rate", env = "KEYFENCE_EXPIRE_RATE", default_value_t = 50,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub expire_rate: u32,
+    /// How often `serve` makes the ledger's partitions ahead and drops old ones, in milliseconds
+    /// (0: never; then `keyfence maintain --partitions` must). The first round runs at start-up.
+    #[arg(long = "partition-interval-ms", env = "KEYFENCE_PARTITION_INTERVAL_MS", default_value_t = 3_600_000)]
+    pub partition_interval_ms: u64,
+    #[command(flatten)]
+    pub partitions: PartitionSettings,
     #[command(flatten)]
     pub fair_use: FairUseSettings,
     /// File holding the region secret every region of the deployment shares (at least 32 bytes),

@@ -16,7 +16,8 @@ use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSetting
 use crate::engine::{Engine, EngineSettings, Rails};
 use crate::http::{AppState, Peers, RegionSecret, Throttle, admin_router, router, server};
 use crate::inbox::RailSecrets;
-use crate::keystore::{self, DynamoKeyStore, KeyStoreError, TableChange};
+use crate::keystore::{self, DynamoKeyStore, KeyStore, KeyStoreError, TableChange};
+use crate::ledger::partitions::{self, Partitioning};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::operations::{PAYMENT_RAIL, SCREENING};
 use crate::rail::RailClient;
@@ -155,6 +156,8 @@ pub struct Application {
     webhooks: Option<(Duration, Arc<webhooks::worker::Worker>)>,
     /// `None`: no inbox worker in this process.
     inbox_interval: Option<Duration>,
+    /// `None`: this process leaves the ledger's partitions to `keyfence maintain`.
+    partitions: Option<(Duration, Partitioning)>,
 }
 
 impl Application {
@@ -179,8 +182,22 @@ impl Application {
                  other regions for payments it does not hold nor answers their reads"
             );
         }
+        let partitions = Some(Duration::from_millis(settings.partition_interval_ms))
+            .filter(|d| !d.is_zero())
+            .map(|every| {
+                settings.partitions.partitioning(&settings.engine.work.retention.retention()).map(|plan| (every, plan))
+            })
+            .transpose()
+            .map_err(|why| StartupError::Settings(vec![why]))?;
         crate::metrics::install();
         let engine = Arc::new(build_engine(&settings.engine).await?);
+        if let Some((_, plan)) = &partitions {
+            // Before the first request, so it lands in a partition of its span.
+            let mut made = partitions::Report::default();
+            if let Err(e) = engine.ledger().make_ahead(plan, &mut made).await {
+                tracing::warn!(error = %e, "could not make the ledger's partitions ahead; trying again next round");
+            }
+        }
         let store = ClientStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
         let clients = Directory::new(store, settings.fair_use.new_key_lookups);
         let listener = TcpListener::bind(settings.listen)
@@ -260,6 +277,7 @@ impl Application {
             expiry,
             webhooks,
             inbox_interval: Some(Duration::from_millis(settings.inbox_interval_ms)).filter(|d| !d.is_zero()),
+            partitions,
         })
     }
 
@@ -274,8 +292,8 @@ impl Application {
     }
 
     /// Serves (and runs the recovery worker, the expiry sweeper, the
-    /// webhook delivery worker, the inbox worker and the ledger fence's
-    /// follower) until `shutdown` resolves, then finishes
+    /// webhook delivery worker, the inbox worker, the ledger's partition
+    /// housekeeper and the ledger fence's follower) until `shutdown` resolves, then finishes
     /// in-flight requests.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let (stop, stopped) = tokio::sync::watch::channel(());
@@ -297,6 +315,19 @@ impl Application {
         let clerk = self.inbox_interval.map(|every| {
             tokio::spawn(crate::inbox::worker::run_until_stopped(self.engine.clone(), every, stopped.clone()))
         });
+        let housekeeper = self.partitions.map(|(every, plan)| {
+            let engine = self.engine.clone();
+            let handoffs = async move || {
+                engine.keys().all_handoffs(engine.region()).await.map(|all| all.len()).map_err(|e| e.to_string())
+            };
+            tokio::spawn(partitions::run_until_stopped(
+                self.engine.ledger().clone(),
+                plan,
+                every,
+                handoffs,
+                stopped.clone(),
+            ))
+        });
         let (admin_listener, admin_router) = self.admin;
         let mut admin_stopped = stopped;
         let admin = tokio::spawn(server::serve(admin_listener, admin_router, self.limits, async move {
@@ -307,7 +338,7 @@ impl Application {
             drop(stop);
         })
         .await;
-        for task in worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain([follower]) {
+        for task in worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain(housekeeper).chain([follower]) {
             let _ = task.await;
         }
         let _ = admin.await;

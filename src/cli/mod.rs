@@ -33,7 +33,8 @@ enum Command {
     /// The debtor accounts each client may pay from.
     #[command(subcommand)]
     Accounts(clients::AccountsCommand),
-    /// Housekeeping beside traffic: --expire deletes finished keys past their retention.
+    /// Housekeeping beside traffic: --expire deletes finished keys past their retention; --partitions
+    /// keeps the ledger's idempotency tables to what the retention allows.
     Maintain(workers::MaintainArgs),
     /// See which regions are active, declare one failed, or bring it back.
     #[command(subcommand)]

@@ -6,9 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use keyfence::config::{EngineConfig, KeyStoreSettings};
+use keyfence::config::{EngineConfig, KeyStoreSettings, LedgerSettings};
 use keyfence::domain::Millis;
-use keyfence::keystore::{self, DynamoKeyStore};
+use keyfence::keystore::{self, DynamoKeyStore, KeyStore};
+use keyfence::ledger::Ledger;
 use keyfence::{reconcile, recovery, startup};
 
 #[derive(Args)]
@@ -193,6 +194,10 @@ pub struct MaintainArgs {
     /// Delete finished keys past their retention (for tables without a time-to-live).
     #[arg(long)]
     expire: bool,
+    /// Make the ledger's partitions ahead, drop the old ones whose requests all ended, and delete
+    /// what may go from the default partition and the inbox.
+    #[arg(long)]
+    partitions: bool,
     /// Deletes per second at most.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
     rate: u32,
@@ -205,26 +210,63 @@ pub struct MaintainArgs {
     #[command(flatten)]
     retention: keyfence::config::RetentionSettings,
     #[command(flatten)]
+    partitioning: keyfence::config::PartitionSettings,
+    /// This ledger's region: while hand-offs from it wait for its reconciler, no partition is dropped.
+    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
+    region: String,
+    #[command(flatten)]
     keys: KeyStoreSettings,
+    #[command(flatten)]
+    ledger: LedgerSettings,
 }
 
+/// The ledger's partitions first (the quicker round), then the keys; the
+/// JSON report holds the expiry's figures with the partitions' beside them.
 pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.expire, "nothing to do: say what to maintain (--expire)");
-    let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
-    let bar = ExpiryBar(indicatif::ProgressBar::new_spinner());
-    bar.0.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} {msg}, {pos} deleted ({per_sec})")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-    );
-    bar.0.enable_steady_tick(std::time::Duration::from_millis(120));
-    let options = keyfence::expiry::Options { segments: args.segments, rate: args.rate, grace: args.retention.grace };
-    let report = keyfence::expiry::sweep(&keys, options, &bar).await;
-    bar.0.finish_and_clear();
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.summary());
+    anyhow::ensure!(args.expire || args.partitions, "nothing to do: say what to maintain (--expire, --partitions)");
+    let mut json = serde_json::Map::new();
+    let mut failed = Vec::new();
+    if args.partitions {
+        let plan = args.partitioning.partitioning(&args.retention.retention()).map_err(anyhow::Error::msg)?;
+        let ledger = Ledger::connect(&args.ledger).await.context("connecting to the ledger")?;
+        let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
+        eprintln!("keyfence maintain: the ledger's partitions...");
+        let handoffs = keys.all_handoffs(&args.region).await.context("reading this region's hand-offs")?;
+        let report =
+            ledger.maintain_partitions(&plan, handoffs.len()).await.context("maintaining the ledger's partitions")?;
+        if !args.json {
+            print!("{}", report.summary());
+        }
+        if !report.busy.is_empty() {
+            failed.push(format!("{} partition(s) busy past the lock wait", report.busy.len()));
+        }
+        json.insert("partitions".into(), serde_json::to_value(&report)?);
     }
-    anyhow::ensure!(report.failures.is_empty(), "{} failure(s)", report.failures.len());
+    if args.expire {
+        let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
+        let bar = ExpiryBar(indicatif::ProgressBar::new_spinner());
+        bar.0.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {msg}, {pos} deleted ({per_sec})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+        );
+        bar.0.enable_steady_tick(std::time::Duration::from_millis(120));
+        let options =
+            keyfence::expiry::Options { segments: args.segments, rate: args.rate, grace: args.retention.grace };
+        let report = keyfence::expiry::sweep(&keys, options, &bar).await;
+        bar.0.finish_and_clear();
+        if !args.json {
+            print!("{}", report.summary());
+        }
+        if !report.failures.is_empty() {
+            failed.push(format!("{} failure(s)", report.failures.len()));
+        }
+        if let serde_json::Value::Object(expiry) = serde_json::to_value(&report)? {
+            json.extend(expiry);
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&json)?);
+    }
+    anyhow::ensure!(failed.is_empty(), "{}", failed.join("; "));
     Ok(())
 }

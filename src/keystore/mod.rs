@@ -227,6 +227,17 @@ pub trait KeyStore: Send + Sync {
     /// key item names the region in `left` meanwhile).
     fn handoffs(&self, from: &str, shard: u64) -> impl Future<Output = Result<Vec<Handoff>, KeyStoreError>> + Send;
 
+    /// Every hand-off from region `from`, shard by shard.
+    fn all_handoffs(&self, from: &str) -> impl Future<Output = Result<Vec<Handoff>, KeyStoreError>> + Send {
+        async move {
+            let mut all = Vec::new();
+            for shard in 0..INFLIGHT_SHARDS {
+                all.extend(self.handoffs(from, shard).await?);
+            }
+            Ok(all)
+        }
+    }
+
     /// Whether a hand-off from `from` names this request (a consistent read).
     fn handoff_of(
         &self,

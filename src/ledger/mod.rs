@@ -3,12 +3,14 @@
 //! schema lives in `migrations/`; the one rule every write obeys lives in
 //! `phase`: a phase is a transaction that first proves its fence is current
 //! (and that the region's own fence, [`region_fence`], is open).
-//! [`payments`] and [`external`] are the writes phases make.
+//! [`payments`] and [`external`] are the writes phases make; [`partitions`]
+//! keeps the idempotency tables to what the retention allows.
 
 mod clients;
 mod error;
 pub mod external;
 pub mod inbox;
+pub mod partitions;
 pub mod payments;
 mod phase;
 pub mod refunds;

@@ -30,7 +30,7 @@ use futures::StreamExt;
 
 use crate::domain::{Millis, RecoveryPoint};
 use crate::engine::{Engine, EngineError};
-use crate::keystore::{Handoff, INFLIGHT_SHARDS, KeyItem, KeyStore};
+use crate::keystore::{Handoff, KeyItem, KeyStore};
 use crate::ledger::views::{LedgerView, RequestId};
 
 pub use classify::{Class, Orphan, Thresholds, classify, classify_orphan, owned_throughout};
@@ -293,10 +293,7 @@ async fn handoffs<K: KeyStore>(
     engine: &Engine<K>,
     found: &Mutex<Vec<Found>>,
 ) -> Result<(Vec<RequestId>, Vec<(Handoff, bool)>), EngineError> {
-    let mut all = Vec::new();
-    for shard in 0..INFLIGHT_SHARDS {
-        all.extend(engine.keys().handoffs(engine.region(), shard).await?);
-    }
+    let all = engine.keys().all_handoffs(engine.region()).await?;
     let mut named = Vec::new();
     let mut cleared = Vec::new();
     for page in all.chunks(100) {

@@ -216,7 +216,9 @@ async fn restore_key<K: KeyStore>(engine: &Engine<K>, ledger: &LedgerView) -> Re
         created_at: ledger.record.created_at,
         payment_id: ledger.record.payment_id,
         response: if finished { ledger.answer.clone() } else { None },
-        expires_at: finished.then(|| engine.retention().expires_at(Millis::now()).as_secs()),
+        // A retention after the ledger finished it, as the lost key had: a
+        // restored key never outlives the ledger's rows of its request.
+        expires_at: finished.then(|| engine.retention().expires_at(ledger.updated_at).as_secs()),
         left: Default::default(),
     };
     Ok(match engine.keys().restore(&item).await {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use keyfence::clients::ClientStore;
-use keyfence::config::{DeliverySettings, EngineConfig, RailSettings, ServeSettings, WorkSettings};
+use keyfence::config::{DeliverySettings, EngineConfig, PartitionSettings, RailSettings, ServeSettings, WorkSettings};
 use keyfence::domain::{ApiKey, ClientId};
 use keyfence::http::RegionSecret;
 use keyfence::inbox::RailSecrets;
@@ -184,6 +184,10 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         recovery_interval_ms: 0,
         expire_interval_ms: 0,
         expire_rate: 50,
+        // The spans of today and tomorrow, made at start-up; a test of the
+        // partitions sets its own.
+        partition_interval_ms: 3_600_000,
+        partitions: PartitionSettings { ahead: 1, ..Default::default() },
         fair_use: Default::default(),
         region_secret_file: None,
         region_secret: Some(RegionSecret::new(REGION_SECRET).unwrap()),

@@ -39,6 +39,7 @@ mod lost_replies;
 mod metrics;
 #[cfg(feature = "failpoints")]
 mod parked;
+mod partitions;
 mod perimeter;
 mod process;
 mod protocol_model;

@@ -1,0 +1,237 @@
+//! The idempotency tables stay bounded: `serve` makes the ledger's
+//! partitions ahead and drops old ones while payments flow, `keyfence
+//! maintain --partitions --expire` finishes the job, and afterwards the
+//! ledger holds only what has not ended (with every row of it) and the key
+//! table only keys within their retention. Payments, business records, stay.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use futures::StreamExt;
+use keyfence::config::ServeSettings;
+use keyfence::domain::{ClientId, Fence, IdempotencyKey, Millis, ScopedKey};
+use keyfence::keystore::{Handoff, KeyState, KeyStore};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use crate::app::{TestApp, payment, spawn_app_with};
+use crate::process::keyfence_command;
+
+/// Short enough to elapse within a test: keys kept 1 s (the grace must
+/// cover a third of the tests' 10-second lease), the ledger 10 s (at least
+/// the key retention and two graces), spans of one second.
+const FLAGS: [&str; 10] = [
+    "--retention",
+    "1s",
+    "--retention-grace",
+    "4s",
+    "--ledger-retention",
+    "10s",
+    "--partition-span",
+    "1s",
+    "--partitions-ahead",
+    "60",
+];
+
+fn short(s: &mut ServeSettings, housekeeping: Duration) {
+    s.engine.rails.rail_timeout = Duration::from_millis(300);
+    s.engine.work.retention.retention = Some(Duration::from_secs(1));
+    s.engine.work.retention.grace = Duration::from_secs(4);
+    s.partitions.keep = Duration::from_secs(10);
+    s.partitions.span = Duration::from_secs(1);
+    s.partitions.ahead = 60;
+    s.partition_interval_ms = housekeeping.as_millis() as u64;
+}
+
+/// Rows per idempotency table, and the keys of the requests left.
+async fn ledger_rows(app: &TestApp) -> (i64, i64, i64, i64, HashSet<String>) {
+    let pool = app.db.ledger.pool();
+    let count = async |table: &str| -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}"))).fetch_one(pool).await.unwrap()
+    };
+    let left: Vec<String> = sqlx::query_scalar("SELECT idem_key FROM requests").fetch_all(pool).await.unwrap();
+    (
+        count("requests").await,
+        count("phase_runs").await,
+        count("external_calls").await,
+        count("payments").await,
+        left.into_iter().collect(),
+    )
+}
+
+/// Every key item in the table, by key string and state.
+async fn key_items(app: &TestApp) -> Vec<(String, KeyState)> {
+    let (mut items, mut cursor) = (Vec::new(), None);
+    loop {
+        let page = app.keys.store.scan(0, 1, cursor).await.unwrap();
+        items.extend(page.items.into_iter().map(|item| (item.key.key.as_str().to_owned(), item.state)));
+        match page.next {
+            Some(next) => cursor = Some(next),
+            None => return items,
+        }
+    }
+}
+
+/// Pays `count` payments, `concurrency` at a time; all must succeed.
+async fn pay_many(app: &TestApp, prefix: &str, count: usize, concurrency: usize) {
+    let answers: Vec<StatusCode> = futures::stream::iter(0..count)
+        .map(
+            |i| async move { app.pay(&format!("{prefix}-{i}"), &payment(&format!("E2E-{prefix}-{i}"))).await.status() },
+        )
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    let created = answers.iter().filter(|s| **s == StatusCode::CREATED).count();
+    assert_eq!(
+        created,
+        count,
+        "every payment succeeds while partitions come and go: {:?}",
+        answers.iter().find(|s| **s != StatusCode::CREATED)
+    );
+}
+
+/// Left in flight: the payment rail never answers them.
+async fn pay_in_flight(app: &TestApp, keys: &[&str]) {
+    app.e2.set_faults(json!({ "latency_ms": 600_000 })).await;
+    for key in keys {
+        assert_eq!(app.pay(key, &payment(&format!("E2E-{key}"))).await.status(), StatusCode::ACCEPTED);
+    }
+    app.e2.clear_faults().await;
+    // The payments after them begin in a later span.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+}
+
+/// `keyfence maintain` with the short settings and `what`; its JSON report.
+async fn maintain(app: &TestApp, what: &[&str]) -> Value {
+    let run = keyfence_command(app, "maintain")
+        .args(what)
+        .args(FLAGS)
+        .args(["--json", "--rate", "1000"])
+        .env("KEYFENCE_KEYSTORE_ATTEMPT_TIMEOUT_MS", "60000")
+        .output()
+        .await
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    serde_json::from_slice(&run.stdout).unwrap()
+}
+
+/// Waits until every span holding the payments so far is past the ledger's retention.
+async fn until_retention_elapsed() {
+    tokio::time::sleep(Duration::from_secs(12)).await;
+}
+
+/// Asserts the ledger holds exactly the requests in flight, each with its
+/// phase runs and external call, and that every payment is still there.
+async fn only_in_flight_left(app: &TestApp, in_flight: &[&str], paid: i64) {
+    let (requests, runs, calls, payments, left) = ledger_rows(app).await;
+    let expected: HashSet<String> = in_flight.iter().map(|k| (*k).to_owned()).collect();
+    assert_eq!(left, expected, "only the requests in flight are left");
+    assert_eq!(requests, in_flight.len() as i64);
+    let pool = app.db.ledger.pool();
+    let (own_runs, own_calls): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM phase_runs p JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (p.client_id, p.idem_key, p.request_created_at)),
+                (SELECT count(*) FROM external_calls c JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at))",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert!(runs >= in_flight.len() as i64 && calls >= in_flight.len() as i64, "runs {runs}, calls {calls}");
+    assert_eq!((own_runs, own_calls), (runs, calls), "nothing is left of the requests dropped");
+    assert_eq!(payments, paid + in_flight.len() as i64, "payments are business records: all kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_partitions_go_once_their_requests_ended_and_a_request_in_flight_keeps_its_own() {
+    // No housekeeping in `serve` beyond making the spans at start-up.
+    let app = spawn_app_with(|s| short(s, Duration::from_secs(3600))).await;
+    let in_flight = ["in-flight-1", "in-flight-2"];
+    pay_in_flight(&app, &in_flight).await;
+    pay_many(&app, "paid", 40, 8).await;
+    let before = ledger_rows(&app).await;
+    assert_eq!(before.0, 42, "every request written");
+    until_retention_elapsed().await;
+
+    // A hand-off from this region waits for its reconciler: nothing goes.
+    let handoff = Handoff {
+        from: "test-1".into(),
+        to: "test-2".into(),
+        key: ScopedKey::new(ClientId::new(Uuid::new_v4()), IdempotencyKey::parse("handed-off").unwrap()),
+        created_at: Millis::now(),
+        payment_id: Uuid::new_v4(),
+        fence: Fence::new(2),
+    };
+    app.keys.store.hand_off(&handoff).await.unwrap();
+    let held = maintain(&app, &["--partitions"]).await;
+    assert_eq!(
+        (held["partitions"]["held_for_handoffs"].as_u64(), held["partitions"]["dropped"].as_array().map(Vec::len)),
+        (Some(1), Some(0)),
+        "{held}"
+    );
+    assert_eq!(ledger_rows(&app).await.0, 42, "nothing dropped while a hand-off waits");
+    app.keys.store.forget_handoff(&handoff).await.unwrap();
+
+    let report = maintain(&app, &["--partitions"]).await;
+    let partitions = &report["partitions"];
+    let dropped = partitions["dropped"].as_array().unwrap();
+    assert!(!dropped.is_empty(), "{report}");
+    assert_eq!(dropped.iter().map(|d| d["requests"].as_i64().unwrap()).sum::<i64>(), 40, "{report}");
+    let kept = partitions["kept"].as_array().unwrap();
+    assert_eq!(kept.iter().map(|k| k["open"].as_i64().unwrap()).sum::<i64>(), 2, "kept and reported: {report}");
+    only_in_flight_left(&app, &in_flight, 40).await;
+
+    // A second round drops no request (only spans that have since grown
+    // old empty), and still keeps them.
+    let again = maintain(&app, &["--partitions"]).await;
+    let dropped = again["partitions"]["dropped"].as_array().unwrap();
+    assert_eq!(dropped.iter().map(|d| d["requests"].as_i64().unwrap()).sum::<i64>(), 0, "{again}");
+    assert_eq!(again["partitions"]["kept"].as_array().unwrap().len(), kept.len(), "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_no_partition_was_made_for_land_in_the_default_and_are_deleted_once_ended() {
+    // `serve` makes no partitions: every request lands in the default one.
+    let app = spawn_app_with(|s| short(s, Duration::ZERO)).await;
+    let in_flight = ["in-flight-1"];
+    pay_in_flight(&app, &in_flight).await;
+    pay_many(&app, "paid", 20, 8).await;
+    let (where_, rows): (String, i64) =
+        sqlx::query_as("SELECT tableoid::regclass::text, count(*) FROM requests GROUP BY 1")
+            .fetch_one(app.db.ledger.pool())
+            .await
+            .unwrap();
+    assert_eq!((where_.as_str(), rows), ("requests_default", 21));
+    until_retention_elapsed().await;
+
+    let report = maintain(&app, &["--partitions"]).await;
+    assert_eq!(report["partitions"]["default_deleted"], 20, "{report}");
+    only_in_flight_left(&app, &in_flight, 20).await;
+}
+
+/// 20,000 payments with `serve` making and dropping partitions every
+/// second beside them; then one maintenance run of the ledger and the keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_thousand_payments_leave_only_what_the_retention_allows() {
+    let app = spawn_app_with(|s| {
+        short(s, Duration::from_secs(1));
+        // One client pays them all, as fast as the emulator takes them.
+        (s.fair_use.client_rate, s.fair_use.client_burst, s.fair_use.client_in_flight) = (100_000, 100_000, 64);
+    })
+    .await;
+    let in_flight = ["in-flight-1", "in-flight-2", "in-flight-3"];
+    pay_in_flight(&app, &in_flight).await;
+    pay_many(&app, "paid", 20_000, 32).await;
+    until_retention_elapsed().await;
+
+    let report = maintain(&app, &["--partitions", "--expire"]).await;
+    only_in_flight_left(&app, &in_flight, 20_000).await;
+    let kept = report["partitions"]["kept"].as_array().unwrap();
+    assert_eq!(kept.iter().map(|k| k["open"].as_i64().unwrap()).sum::<i64>(), 3, "{report}");
+    let mut keys = key_items(&app).await;
+    keys.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        keys,
+        in_flight.iter().map(|k| ((*k).to_owned(), KeyState::Started)).collect::<Vec<_>>(),
+        "the key table holds the keys in flight and nothing past its retention: {report}"
+    );
+}
