@@ -25,9 +25,10 @@
 //! statements in flight and holds up those after it, and since statements
 //! lock the tables in different orders it can deadlock with one: each
 //! attempt waits at most [`LOCK_WAIT`], far below PostgreSQL's deadlock
-//! timeout, so the housekeeper is the one that gives way and a phase held
-//! up behind it waits no longer; it is tried again after a pause, up to
-//! [`LOCK_ATTEMPTS`] times a round. Rows of the default partition
+//! timeout, so the housekeeper is the one that gives way, and a phase held
+//! up behind it waits no more than the few such waits of one attempt; the
+//! attempt is tried again after a pause, up to [`LOCK_ATTEMPTS`] times a
+//! round. Rows of the default partition
 //! (requests adopted long after they began, or written while no span was
 //! made ahead) follow the same rule, deleted in batches.
 
