@@ -226,10 +226,10 @@ pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.expire || args.partitions, "nothing to do: say what to maintain (--expire, --partitions)");
     let mut json = serde_json::Map::new();
     let mut failed = Vec::new();
+    let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
     if args.partitions {
         let plan = args.partitioning.partitioning(&args.retention.retention()).map_err(anyhow::Error::msg)?;
         let ledger = Ledger::connect(&args.ledger).await.context("connecting to the ledger")?;
-        let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
         eprintln!("keyfence maintain: the ledger's partitions...");
         let handoffs = keys.all_handoffs(&args.region).await.context("reading this region's hand-offs")?;
         let report =
@@ -243,7 +243,6 @@ pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
         json.insert("partitions".into(), serde_json::to_value(&report)?);
     }
     if args.expire {
-        let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
         let bar = ExpiryBar(indicatif::ProgressBar::new_spinner());
         bar.0.set_style(
             indicatif::ProgressStyle::with_template("{spinner} {msg}, {pos} deleted ({per_sec})")

@@ -33,6 +33,11 @@ pub enum LedgerError {
 }
 
 impl LedgerError {
+    /// Whether PostgreSQL refused the statement with SQLSTATE `code`.
+    pub fn has_code(&self, code: &str) -> bool {
+        matches!(self, LedgerError::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some(code))
+    }
+
     /// A failure that retrying later can fix: the database unreachable or
     /// restarting, out of connections, or a transaction that lost a
     /// serialisation or deadlock race (SQLSTATE classes 08, 53, 57P and

@@ -196,17 +196,14 @@ impl Ledger {
             let suffix = suffix_of(from);
             match with_locks(|| self.make_span(&suffix, from, to)).await {
                 Ok(()) => report.created.push(suffix),
-                Err(LedgerError::Database(sqlx::Error::Database(e))) => match e.code().as_deref() {
-                    // The default partition holds rows of this span already.
-                    Some("23514") => report.skipped.push(suffix),
-                    // Another instance made it (or an overlapping one) first.
-                    Some("42P07" | "42P17") => {}
-                    Some("55P03") => {
-                        report.busy.push(suffix);
-                        return Ok(());
-                    }
-                    _ => return Err(LedgerError::Database(sqlx::Error::Database(e))),
-                },
+                // The default partition holds rows of this span already.
+                Err(e) if e.has_code("23514") => report.skipped.push(suffix),
+                // Another instance made it (or an overlapping one) first.
+                Err(e) if e.has_code("42P07") || e.has_code("42P17") => {}
+                Err(e) if lock_timed_out(&e) => {
+                    report.busy.push(suffix);
+                    return Ok(());
+                }
                 Err(e) => return Err(e),
             }
             start = end;
@@ -439,7 +436,8 @@ async fn with_locks<T, F: Future<Output = Result<T, LedgerError>>>(
 }
 
 fn lock_timed_out(e: &LedgerError) -> bool {
-    matches!(e, LedgerError::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03"))
+    // lock_not_available: a lock not had within `lock_timeout`.
+    e.has_code("55P03")
 }
 
 async fn set_lock_wait(tx: &mut sqlx::PgTransaction<'_>) -> Result<(), LedgerError> {
