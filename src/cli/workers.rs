@@ -196,7 +196,7 @@ pub struct MaintainArgs {
     expire: bool,
     /// Make the ledger's partitions ahead, drop the old ones whose requests all ended, and delete
     /// what may go from the default partition and the inbox.
-    #[arg(long)]
+    #[arg(long, requires = "region")]
     partitions: bool,
     /// Deletes per second at most.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
@@ -211,9 +211,10 @@ pub struct MaintainArgs {
     retention: keyfence::config::RetentionSettings,
     #[command(flatten)]
     partitioning: keyfence::config::PartitionSettings,
-    /// This ledger's region: while hand-offs from it wait for its reconciler, no partition is dropped.
-    #[arg(long, env = "KEYFENCE_REGION", default_value = "local-1")]
-    region: String,
+    /// This ledger's region (with --partitions): while hand-offs from it wait for its reconciler, no
+    /// partition is dropped.
+    #[arg(long, env = "KEYFENCE_REGION")]
+    region: Option<String>,
     #[command(flatten)]
     keys: KeyStoreSettings,
     #[command(flatten)]
@@ -231,14 +232,26 @@ pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
         let plan = args.partitioning.partitioning(&args.retention.retention()).map_err(anyhow::Error::msg)?;
         let ledger = Ledger::connect(&args.ledger).await.context("connecting to the ledger")?;
         eprintln!("keyfence maintain: the ledger's partitions...");
-        let handoffs = keys.all_handoffs(&args.region).await.context("reading this region's hand-offs")?;
-        let report =
-            ledger.maintain_partitions(&plan, handoffs.len()).await.context("maintaining the ledger's partitions")?;
+        let region = args.region.as_deref().context("--partitions needs --region (KEYFENCE_REGION)")?;
+        let handoffs = match keys.all_handoffs(region).await {
+            Ok(handoffs) => Some(handoffs.len()),
+            Err(e) => {
+                eprintln!("keyfence maintain: could not read the hand-offs from {region} ({e}): dropping nothing");
+                None
+            }
+        };
+        let report = ledger.maintain_partitions(&plan, handoffs).await;
         if !args.json {
             print!("{}", report.summary());
         }
         if !report.busy.is_empty() {
             failed.push(format!("{} partition(s) busy past the lock wait", report.busy.len()));
+        }
+        if report.handoffs_unread {
+            failed.push("the hand-offs could not be read, so nothing was dropped".to_owned());
+        }
+        if !report.failed.is_empty() {
+            failed.push(format!("{} step(s) of the partitions' round failed", report.failed.len()));
         }
         json.insert("partitions".into(), serde_json::to_value(&report)?);
     }

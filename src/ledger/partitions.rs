@@ -79,10 +79,21 @@ pub struct Report {
     /// Hand-offs from this region waiting for the reconciler: while any
     /// does, no partition is dropped (nor a row of the default deleted).
     pub held_for_handoffs: usize,
+    /// This region's hand-offs could not be read: nothing was dropped.
+    pub handoffs_unread: bool,
     /// Ended requests deleted from the default partition (with their runs and calls).
     pub default_deleted: u64,
     /// Inbox messages deleted: applied or found without effect, older than the ledger keeps requests.
     pub inbox_deleted: u64,
+    /// Steps that failed; the rest of the round still ran.
+    pub failed: Vec<Failed>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Failed {
+    /// What was being done: a span's drop, or a step of the round.
+    pub step: String,
+    pub error: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -110,8 +121,22 @@ impl Report {
             && self.kept.is_empty()
             && self.busy.is_empty()
             && self.held_for_handoffs == 0
+            && !self.handoffs_unread
             && self.default_deleted == 0
-            && self.inbox_deleted == 0)
+            && self.inbox_deleted == 0
+            && self.failed.is_empty())
+    }
+
+    /// Whether the round left something for a person: a span kept or left
+    /// to the default partition, drops held, or a step failed.
+    pub fn worrying(&self) -> bool {
+        !(self.kept.is_empty() && self.skipped.is_empty() && self.failed.is_empty())
+            || self.held_for_handoffs > 0
+            || self.handoffs_unread
+    }
+
+    fn fail(&mut self, step: impl Into<String>, error: LedgerError) {
+        self.failed.push(Failed { step: step.into(), error: error.to_string() });
     }
 
     /// A summary for a person.
@@ -138,8 +163,14 @@ impl Report {
                 self.held_for_handoffs
             );
         }
+        if self.handoffs_unread {
+            out += "  nothing dropped: this region's hand-offs could not be read from the key table\n";
+        }
         for busy in &self.busy {
             out += &format!("  {busy} was busy past the lock wait: tried again next round\n");
+        }
+        for failed in &self.failed {
+            out += &format!("  {} failed: {}\n", failed.step, failed.error);
         }
         out += &format!(
             "default partition: {} ended requests deleted; inbox: {} messages deleted\n",
@@ -167,18 +198,34 @@ struct Span {
 
 impl Ledger {
     /// One round: makes the spans ahead, drops the old ones that may go,
-    /// and deletes what may go from the default partition and the inbox,
-    /// unless `handoffs` from this region wait for the reconciler (then it
-    /// only makes spans ahead and prunes the inbox).
-    pub async fn maintain_partitions(&self, plan: &Partitioning, handoffs: usize) -> Result<Report, LedgerError> {
-        let mut report = Report { held_for_handoffs: handoffs, ..Report::default() };
-        self.make_ahead(plan, &mut report).await?;
-        if handoffs == 0 {
-            self.drop_old(plan, &mut report).await?;
-            report.default_deleted = self.prune_default(plan).await?;
+    /// and deletes what may go from the default partition and the inbox.
+    /// `handoffs` counts those from this region waiting for the
+    /// reconciler (`None`: they could not be read); unless it is zero, the
+    /// round drops and deletes nothing of the requests. A step that fails,
+    /// or a span that cannot be dropped, is reported and the rest still runs.
+    pub async fn maintain_partitions(&self, plan: &Partitioning, handoffs: Option<usize>) -> Report {
+        let mut report = Report {
+            held_for_handoffs: handoffs.unwrap_or(0),
+            handoffs_unread: handoffs.is_none(),
+            ..Report::default()
+        };
+        if let Err(e) = self.make_ahead(plan, &mut report).await {
+            report.fail("making spans ahead", e);
         }
-        report.inbox_deleted = self.prune_inbox(plan).await?;
-        Ok(report)
+        if handoffs == Some(0) {
+            if let Err(e) = self.drop_old(plan, &mut report).await {
+                report.fail("listing old spans", e);
+            }
+            match self.prune_default(plan).await {
+                Ok(deleted) => report.default_deleted = deleted,
+                Err(e) => report.fail("deleting from the default partition", e),
+            }
+        }
+        match self.prune_inbox(plan).await {
+            Ok(deleted) => report.inbox_deleted = deleted,
+            Err(e) => report.fail("deleting from the inbox", e),
+        }
+        report
     }
 
     /// Makes the span partitions from the newest one (or now) to `ahead`
@@ -231,7 +278,8 @@ impl Ledger {
         Ok(())
     }
 
-    /// Drops every old span partition whose requests may go, oldest first.
+    /// Drops every old span partition whose requests may go, oldest first;
+    /// a span that cannot be counted or dropped is reported, and the next tried.
     async fn drop_old(&self, plan: &Partitioning, report: &mut Report) -> Result<(), LedgerError> {
         let before: OffsetDateTime = sqlx::query_scalar("SELECT now() - make_interval(secs => $1)")
             .bind(plan.keep.as_secs_f64())
@@ -244,12 +292,19 @@ impl Ledger {
         for (_, suffix) in old {
             let partition = quote_ident(&format!("requests_{suffix}"));
             // Counted without a lock, for the report; checked again under one.
-            let (requests, open, recent): (i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+            let counted: Result<(i64, i64, i64), _> = sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT count(*), count(*) FILTER (WHERE {OPEN}), count(*) FILTER (WHERE {RECENT}) FROM {partition}"
             )))
             .bind(plan.keep.as_secs_f64())
             .fetch_one(&self.pool)
-            .await?;
+            .await;
+            let (requests, open, recent) = match counted {
+                Ok(counts) => counts,
+                Err(e) => {
+                    report.fail(format!("counting {suffix}"), e.into());
+                    continue;
+                }
+            };
             if open > 0 || recent > 0 {
                 report.kept.push(Kept { partition: suffix, requests, open, recent });
                 continue;
@@ -259,7 +314,7 @@ impl Ledger {
                 Ok(Fate::Moved) => report.kept.push(Kept { partition: suffix, requests, open: 0, recent: 0 }),
                 Ok(Fate::Gone) => {}
                 Err(e) if lock_timed_out(&e) => report.busy.push(suffix),
-                Err(e) => return Err(e),
+                Err(e) => report.fail(format!("dropping {suffix}"), e),
             }
         }
         Ok(())
@@ -381,7 +436,8 @@ impl Ledger {
 
 /// `serve`'s housekeeper: a round at once, then one every `every` until
 /// `stop` changes; `handoffs` counts those from this region waiting for
-/// the reconciler (when it cannot tell, the round waits for the next).
+/// the reconciler (when it cannot tell, the round makes spans ahead and
+/// drops nothing).
 pub async fn run_until_stopped<H: AsyncFn() -> Result<usize, String>>(
     ledger: Ledger,
     plan: Partitioning,
@@ -390,20 +446,18 @@ pub async fn run_until_stopped<H: AsyncFn() -> Result<usize, String>>(
     mut stop: tokio::sync::watch::Receiver<()>,
 ) {
     loop {
-        let round = match handoffs().await {
-            Ok(waiting) => ledger.maintain_partitions(&plan, waiting).await,
+        let waiting = match handoffs().await {
+            Ok(waiting) => Some(waiting),
             Err(e) => {
-                tracing::warn!(error = %e, "ledger partitions: could not read this region's hand-offs; next round");
-                Ok(Report::default())
+                tracing::warn!(error = %e, "ledger partitions: could not read this region's hand-offs; dropping nothing");
+                None
             }
         };
-        match round {
-            Ok(report) if !report.kept.is_empty() || !report.skipped.is_empty() || report.held_for_handoffs > 0 => {
-                tracing::warn!(report = %report.summary(), "ledger partitions kept, held or left to the default partition")
-            }
-            Ok(report) if report.eventful() => tracing::info!(report = %report.summary(), "ledger partitions"),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "ledger partitions: the round failed; trying again next round"),
+        let report = ledger.maintain_partitions(&plan, waiting).await;
+        if report.worrying() {
+            tracing::warn!(report = %report.summary(), "ledger partitions kept, held, failed or left to the default partition")
+        } else if report.eventful() {
+            tracing::info!(report = %report.summary(), "ledger partitions")
         }
         tokio::select! {
             _ = stop.changed() => return,

@@ -104,6 +104,14 @@ async fn pay_in_flight(app: &TestApp, keys: &[&str]) {
 
 /// `keyfence maintain` with the short settings and `what`; its JSON report.
 async fn maintain(app: &TestApp, what: &[&str]) -> Value {
+    let (succeeded, report) = try_maintain(app, what).await;
+    assert!(succeeded, "{report}");
+    report
+}
+
+/// `keyfence maintain` as [`maintain`], which may fail: whether it
+/// succeeded, and its JSON report.
+async fn try_maintain(app: &TestApp, what: &[&str]) -> (bool, Value) {
     let run = keyfence_command(app, "maintain")
         .args(what)
         .args(FLAGS)
@@ -112,8 +120,21 @@ async fn maintain(app: &TestApp, what: &[&str]) -> Value {
         .output()
         .await
         .unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
-    serde_json::from_slice(&run.stdout).unwrap()
+    let report = serde_json::from_slice(&run.stdout)
+        .unwrap_or_else(|e| panic!("a JSON report ({e}): {}", String::from_utf8_lossy(&run.stderr)));
+    (run.status.success(), report)
+}
+
+/// Whether the newest partition of `requests` ends later than now.
+async fn spans_made_past_now(app: &TestApp) -> bool {
+    sqlx::query_scalar(
+        "SELECT coalesce(max((regexp_match(pg_get_expr(c.relpartbound, c.oid), $$TO \\('([^']+)'\\)$$))[1]::timestamptz) > now(), false)
+           FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+          WHERE i.inhparent = 'requests'::regclass",
+    )
+    .fetch_one(app.db.ledger.pool())
+    .await
+    .unwrap()
 }
 
 /// Waits until every span holding the payments so far is past the ledger's retention.
@@ -206,6 +227,81 @@ async fn rows_no_partition_was_made_for_land_in_the_default_and_are_deleted_once
     let report = maintain(&app, &["--partitions"]).await;
     assert_eq!(report["partitions"]["default_deleted"], 20, "{report}");
     only_in_flight_left(&app, &in_flight, 20).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_span_that_cannot_be_dropped_is_reported_and_the_rest_still_go() {
+    let app = spawn_app_with(|s| short(s, Duration::from_secs(3600))).await;
+    for round in 0..3 {
+        pay_many(&app, &format!("paid-{round}"), 5, 5).await;
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    let pool = app.db.ledger.pool();
+    let oldest: String =
+        sqlx::query_scalar("SELECT tableoid::regclass::text FROM requests ORDER BY created_at LIMIT 1")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    // Something of a person's depends on the oldest span: it cannot be dropped.
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE VIEW a_report AS SELECT * FROM {oldest}")))
+        .execute(pool)
+        .await
+        .unwrap();
+    until_retention_elapsed().await;
+
+    let (succeeded, report) = try_maintain(&app, &["--partitions"]).await;
+    assert!(!succeeded, "a failed drop fails the run: {report}");
+    let failed = report["partitions"]["failed"].as_array().unwrap();
+    let suffix = oldest.trim_start_matches("requests_");
+    assert_eq!(failed.len(), 1, "{report}");
+    assert_eq!(failed[0]["step"], format!("dropping {suffix}"), "{report}");
+    let dropped = report["partitions"]["dropped"].as_array().unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM requests").fetch_one(pool).await.unwrap();
+    assert_eq!(
+        15 - dropped.iter().map(|d| d["requests"].as_i64().unwrap()).sum::<i64>(),
+        left,
+        "the spans after it were still dropped: {report}"
+    );
+    let in_oldest: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {oldest}")))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert!(in_oldest > 0 && left == in_oldest, "only the span that could not go is left: {left}, {report}");
+
+    sqlx::query("DROP VIEW a_report").execute(pool).await.unwrap();
+    maintain(&app, &["--partitions"]).await;
+    only_in_flight_left(&app, &[], 15).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_key_table_cannot_be_read_spans_are_made_ahead_and_nothing_is_dropped() {
+    let app = spawn_app_with(|s| {
+        short(s, Duration::from_secs(1));
+        s.partitions.ahead = 2;
+    })
+    .await;
+    pay_many(&app, "paid", 5, 5).await;
+    // Every query of the key table, the hand-offs' included, is refused.
+    app.keys
+        .arm(json!({ "operation": "Query", "count": 1_000_000, "action": "error", "code": "AccessDeniedException" }))
+        .await;
+    until_retention_elapsed().await;
+    assert!(spans_made_past_now(&app).await, "serve went on making the spans ahead");
+    assert_eq!(ledger_rows(&app).await.0, 5, "nothing dropped while the hand-offs could not be read");
+
+    let (succeeded, report) = try_maintain(&app, &["--partitions"]).await;
+    assert!(!succeeded && report["partitions"]["handoffs_unread"] == true, "{report}");
+    assert_eq!(report["partitions"]["dropped"].as_array().map(Vec::len), Some(0), "{report}");
+
+    // The region a ledger belongs to is said, never assumed.
+    let run = keyfence_command(&app, "maintain")
+        .args(["--partitions"])
+        .env_remove("KEYFENCE_REGION")
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .await
+        .unwrap();
+    assert!(!run.status.success() && String::from_utf8_lossy(&run.stderr).contains("--region"));
 }
 
 /// 20,000 payments with `serve` making and dropping partitions every
