@@ -19,7 +19,7 @@ use std::time::Duration;
 use crate::domain::{Millis, RecoveryPoint, StoredResponse};
 use crate::failpoint;
 use crate::keystore::{Concluded, Conclusion, Finish, HeldBy, Holding, KeyState, KeyStore, KeyStoreError, Release};
-use crate::ledger::external;
+use crate::ledger::external::{self, CallWrites};
 use crate::rail::{CallOutcome, ProbeOutcome, Verdict};
 
 use super::error::{Cause, Fenced};
@@ -279,24 +279,29 @@ impl<K: KeyStore> Engine<K> {
         failpoint::boundary(|| format!("before-phase:{to}"));
         let fence = attempt.holder.fence;
         let points: Vec<&RecoveryPoint> = work.iter().map(Work::point).collect();
-        let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &to, &points).await?;
         let missing = || EngineError::Fault("outcome missing".into());
+        // The external calls' writes ride the statement that checks the fence.
+        let mut calls = CallWrites::default();
         for item in work {
             match item {
-                Work::Outcome(ext) => {
-                    let verdict = outcome.ok_or_else(missing)?;
-                    external::record_verdict(phase.conn(), &attempt.record, ext.name, verdict, fence).await?;
+                Work::Outcome(ext) => calls.verdict = Some((ext.name, outcome.ok_or_else(missing)?)),
+                Work::Intent(ext) => {
+                    calls.intent =
+                        Some((ext.name, derived_key(&attempt.record.key, attempt.record.payment_id, ext.name)))
                 }
+                Work::Local(_) | Work::Declined(_) => {}
+            }
+        }
+        let mut phase = self.ledger.begin_phase_with(&attempt.record, fence, &attempt.at, &to, &points, calls).await?;
+        for item in work {
+            match item {
+                Work::Outcome(_) | Work::Intent(_) => {}
                 Work::Local(point) => {
                     let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     if let Some(answer) = op.local(point, &mut cx).await? {
                         let answer = self.answer_to_store(attempt.known_answer.as_ref(), &answer)?;
                         phase.store_answer(&attempt.record, answer).await?;
                     }
-                }
-                Work::Intent(ext) => {
-                    let key = derived_key(&attempt.record.key, attempt.record.payment_id, ext.name);
-                    external::record_intent(phase.conn(), &attempt.record, ext.name, key, fence).await?;
                 }
                 Work::Declined(ext) => {
                     let Some(Verdict::Declined(declined)) = outcome else { return Err(missing()) };

@@ -1,7 +1,8 @@
 //! External-call records: the intent committed before a call (with the
 //! derived key the external system deduplicates on), the verdict after it
-//! (`done` with what was applied, or `declined` with why), and attempts
-//! whose outcome stayed unknown.
+//! (`done` with what was applied, or `declined` with why), both written by
+//! the statement that opens a phase, and attempts whose outcome stayed
+//! unknown.
 
 use std::collections::HashSet;
 
@@ -12,67 +13,80 @@ use super::{LedgerError, timestamp};
 use crate::domain::{Fence, Millis, ProbeBackoff};
 use crate::rail::Verdict;
 
-/// Records that `step` is about to be sent under `derived_key`.
-pub async fn record_intent(
-    conn: &mut PgConnection,
-    request: &RequestRecord,
-    step: &str,
-    derived_key: uuid::Uuid,
-    fence: Fence,
-) -> Result<(), LedgerError> {
-    sqlx::query(
-        "INSERT INTO external_calls (client_id, idem_key, request_created_at, step, derived_key, fence, outcome)
-         VALUES ($1, $2, $3, $4, $5, $6, 'sent')",
-    )
-    .bind(request.key.client.as_uuid())
-    .bind(request.key.key.as_str())
-    .bind(timestamp(request.created_at))
-    .bind(step)
-    .bind(derived_key)
-    .bind(fence_param(fence))
-    .execute(conn)
-    .await?;
-    Ok(())
+/// The external-call writes a phase makes in its opening statement, after
+/// the fence check and only if it passed: the verdict of the step the
+/// request awaited (`done` with what was applied, or `declined` with why),
+/// and the intent of the step about to be sent, under its derived key.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallWrites<'a> {
+    pub verdict: Option<(&'a str, &'a Verdict)>,
+    pub intent: Option<(&'a str, uuid::Uuid)>,
 }
 
-/// Records what the external system answered for `step`. Notifications
-/// waiting in the inbox for the same instruction take effect with it: one
-/// of the same verdict is marked applied, one that contradicts it is kept
-/// for the reconciler, in the same statement.
-pub async fn record_verdict(
-    conn: &mut PgConnection,
-    request: &RequestRecord,
-    step: &str,
-    verdict: &Verdict,
-    fence: Fence,
-) -> Result<(), LedgerError> {
-    let (outcome, result, kind) = match verdict {
-        Verdict::Applied(applied) => ("done", serde_json::to_value(applied), "applied"),
-        Verdict::Declined(declined) => ("declined", serde_json::to_value(declined), "declined"),
-    };
-    let result = result.map_err(|e| LedgerError::Corrupt(format!("a verdict that does not serialise: {e}")))?;
-    sqlx::query(
-        "WITH call AS (
-            UPDATE external_calls SET outcome = $7, result = $5, fence = $6, done_at = now()
-             WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4
-         RETURNING derived_key)
-         UPDATE inbox SET applied_at = now(),
-                state = CASE WHEN inbox.kind = $8 THEN 'applied' ELSE 'unknown' END,
-                note = CASE WHEN inbox.kind = $8 THEN NULL ELSE 'contradicts the outcome recorded' END
-           FROM call
-          WHERE inbox.derived_key = call.derived_key AND inbox.state = 'pending' AND inbox.kind <> 'returned'",
+/// [`CallWrites`] as the opening statement binds them: arrays, empty when
+/// there is nothing to write.
+pub(super) struct CallBinds<'a> {
+    pub intent_steps: Vec<&'a str>,
+    pub intent_keys: Vec<uuid::Uuid>,
+    pub verdict_steps: Vec<&'a str>,
+    pub verdict_outcomes: Vec<&'static str>,
+    pub verdict_results: Vec<serde_json::Value>,
+}
+
+impl<'a> CallWrites<'a> {
+    pub(super) fn binds(&self) -> Result<CallBinds<'a>, LedgerError> {
+        let mut binds = CallBinds {
+            intent_steps: Vec::new(),
+            intent_keys: Vec::new(),
+            verdict_steps: Vec::new(),
+            verdict_outcomes: Vec::new(),
+            verdict_results: Vec::new(),
+        };
+        if let Some((step, key)) = self.intent {
+            binds.intent_steps.push(step);
+            binds.intent_keys.push(key);
+        }
+        if let Some((step, verdict)) = self.verdict {
+            let (outcome, result) = match verdict {
+                Verdict::Applied(applied) => ("done", serde_json::to_value(applied)),
+                Verdict::Declined(declined) => ("declined", serde_json::to_value(declined)),
+            };
+            let result = result.map_err(|e| LedgerError::Corrupt(format!("a verdict that does not serialise: {e}")))?;
+            binds.verdict_steps.push(step);
+            binds.verdict_outcomes.push(outcome);
+            binds.verdict_results.push(result);
+        }
+        Ok(binds)
+    }
+}
+
+/// The common table expressions that make [`CallWrites`], for a phase's
+/// opening statement whose `moved` says the fence check passed, with the
+/// request's key as `$1`-`$3`, its fence as `$fence` and the five arrays
+/// of [`CallBinds`] from `$first` on. Notifications waiting in the inbox
+/// for the same instruction take effect with the verdict: one of the same
+/// verdict is marked applied, one that contradicts it is kept for the
+/// reconciler.
+pub(super) fn call_writes(fence: u8, first: u8) -> String {
+    let [steps, keys, verdict_steps, outcomes, results] = std::array::from_fn(|i| first + i as u8);
+    format!(
+        "intent AS (
+        INSERT INTO external_calls (client_id, idem_key, request_created_at, step, derived_key, fence, outcome)
+        SELECT $1, $2, $3, step, key, ${fence}, 'sent' FROM unnest(${steps}::text[], ${keys}::uuid[]) AS i(step, key)
+         WHERE EXISTS (SELECT 1 FROM moved)),
+     verdict AS (
+        UPDATE external_calls c SET outcome = v.outcome, result = v.result, fence = ${fence}, done_at = now()
+          FROM unnest(${verdict_steps}::text[], ${outcomes}::text[], ${results}::jsonb[]) AS v(step, outcome, result)
+         WHERE c.client_id = $1 AND c.idem_key = $2 AND c.request_created_at = $3 AND c.step = v.step
+           AND EXISTS (SELECT 1 FROM moved)
+        RETURNING c.derived_key, CASE v.outcome WHEN 'done' THEN 'applied' ELSE 'declined' END AS kind),
+     noted AS (
+        UPDATE inbox SET applied_at = now(),
+               state = CASE WHEN inbox.kind = v.kind THEN 'applied' ELSE 'unknown' END,
+               note = CASE WHEN inbox.kind = v.kind THEN NULL ELSE 'contradicts the outcome recorded' END
+          FROM verdict v
+         WHERE inbox.derived_key = v.derived_key AND inbox.state = 'pending' AND inbox.kind <> 'returned')"
     )
-    .bind(request.key.client.as_uuid())
-    .bind(request.key.key.as_str())
-    .bind(timestamp(request.created_at))
-    .bind(step)
-    .bind(result)
-    .bind(fence_param(fence))
-    .bind(outcome)
-    .bind(kind)
-    .execute(conn)
-    .await?;
-    Ok(())
 }
 
 /// Counts one more attempt at `step` whose outcome is still unknown;

@@ -2,7 +2,7 @@
 //! finding the verdict a notification brought for an instruction in
 //! flight, and opening the phase that applies a return. A verdict is
 //! applied by the phase that records the external call's outcome
-//! ([`super::external::record_verdict`] marks it in the same statement).
+//! ([`super::external::call_writes`] marks it in the same statement).
 
 use sqlx::{Postgres, Transaction};
 use time::OffsetDateTime;

@@ -5,7 +5,8 @@
 //! only if the caller's fence is at least the row's (`fence <= $mine`), and
 //! records the recovery points the phase passes, only if the row moved (the
 //! primary key of `phase_runs` stands behind that: no point is recorded
-//! twice). Zero rows means a newer owner exists or the phase already ran;
+//! twice), and makes the phase's external-call writes, also only if it
+//! moved ([`super::external::CallWrites`]). Zero rows means a newer owner exists or the phase already ran;
 //! the transaction is then dropped, so nothing the caller would have
 //! written survives. The row stays locked until commit, so an older owner
 //! cannot slip a write in between the check and the business writes that
@@ -15,11 +16,13 @@
 //! region was declared failed commits nothing more.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
+use super::external::{self, CallWrites};
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
 use crate::metrics::Timer;
@@ -95,10 +98,12 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
      RETURNING r.recovery_point";
 
 /// The first phase: insert the row at its first recovery point, or move a
-/// row adopted at `STARTED` ($10) there, and record the points it passes
-/// ($11). Like every phase it first reads the region fence, in the same
-/// statement.
-const FIRST_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence),
+/// row adopted at `STARTED` ($10) there, record the points it passes
+/// ($11) and make its external-call writes ($12-$16). Like every phase it
+/// first reads the region fence, in the same statement.
+static FIRST_PHASE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH fence AS (SELECT failed FROM region_fence),
      moved AS (
         INSERT INTO requests AS r
            (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
@@ -109,12 +114,19 @@ const FIRST_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence),
         RETURNING 1),
      passed AS (
         INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
-        SELECT $1, $2, $3, point, $7 FROM unnest($11::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved))
-     SELECT 1 FROM moved";
+        SELECT $1, $2, $3, point, $7 FROM unnest($11::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
+     {}
+     SELECT 1 FROM moved",
+        external::call_writes(7, 12)
+    )
+});
 
-/// A later phase: move the row from $6 to $5 under fence $4, and record the
-/// points it passes ($7), reading the region fence in the same statement.
-const NEXT_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence),
+/// A later phase: move the row from $6 to $5 under fence $4, record the
+/// points it passes ($7) and make its external-call writes ($8-$12),
+/// reading the region fence in the same statement.
+static NEXT_PHASE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH fence AS (SELECT failed FROM region_fence),
      moved AS (
         UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
          WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
@@ -123,8 +135,12 @@ const NEXT_PHASE: &str = "WITH fence AS (SELECT failed FROM region_fence),
         RETURNING 1),
      passed AS (
         INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
-        SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved))
-     SELECT 1 FROM moved";
+        SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
+     {}
+     SELECT 1 FROM moved",
+        external::call_writes(4, 8)
+    )
+});
 
 /// `sql` (one of the inserts above) with the row's columns bound as $1-$9.
 fn insert_row<'q>(
@@ -191,7 +207,6 @@ impl Ledger {
     /// `fence`, recording the recovery points it passes (`to` among them
     /// unless the phase only writes beside the request, as a parked step's
     /// does). The first phase (from `STARTED`) also creates the row.
-    #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "begin_phase", key = %request.key, fence = %fence, to = %to))]
     pub async fn begin_phase(
         &self,
         request: &RequestRecord,
@@ -200,27 +215,44 @@ impl Ledger {
         to: &RecoveryPoint,
         passes: &[&RecoveryPoint],
     ) -> Result<Phase, LedgerError> {
+        self.begin_phase_with(request, fence, from, to, passes, CallWrites::default()).await
+    }
+
+    /// [`Ledger::begin_phase`], making `calls` in the same statement.
+    #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "begin_phase", key = %request.key, fence = %fence, to = %to))]
+    pub async fn begin_phase_with(
+        &self,
+        request: &RequestRecord,
+        fence: Fence,
+        from: &RecoveryPoint,
+        to: &RecoveryPoint,
+        passes: &[&RecoveryPoint],
+        calls: CallWrites<'_>,
+    ) -> Result<Phase, LedgerError> {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
         let passes: Vec<&str> = passes.iter().map(|p| p.as_str()).collect();
+        let calls = calls.binds()?;
         let mut tx = self.pool.begin_with(super::region_fence::BEGIN_PHASE).await?;
-        let moved: Option<PgRow> = if *from == RecoveryPoint::STARTED {
-            insert_row(FIRST_PHASE, request, fence, to)
-                .bind(from.as_str())
-                .bind(passes)
-                .fetch_optional(&mut *tx)
-                .await?
+        let opening = if *from == RecoveryPoint::STARTED {
+            insert_row(FIRST_PHASE.as_str(), request, fence, to).bind(from.as_str())
         } else {
-            sqlx::query(NEXT_PHASE)
+            sqlx::query(NEXT_PHASE.as_str())
                 .bind(request.key.client.as_uuid())
                 .bind(request.key.key.as_str())
                 .bind(timestamp(request.created_at))
                 .bind(fence_param(fence))
                 .bind(to.as_str())
                 .bind(from.as_str())
-                .bind(passes)
-                .fetch_optional(&mut *tx)
-                .await?
         };
+        let moved: Option<PgRow> = opening
+            .bind(passes)
+            .bind(calls.intent_steps)
+            .bind(calls.intent_keys)
+            .bind(calls.verdict_steps)
+            .bind(calls.verdict_outcomes)
+            .bind(calls.verdict_results)
+            .fetch_optional(&mut *tx)
+            .await?;
         if moved.is_some() {
             return Ok(Phase { tx, to: to.clone(), _timer: timer });
         }

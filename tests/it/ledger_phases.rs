@@ -3,7 +3,9 @@
 //! is refused and leaves nothing behind.
 
 use keyfence::domain::{Fence, Millis, RecoveryPoint, RequestHash};
+use keyfence::ledger::external::CallWrites;
 use keyfence::ledger::{Adoption, Ledger, LedgerError, Phase, RequestRecord};
+use keyfence::rail::{Applied, Verdict};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -118,6 +120,59 @@ async fn a_phase_under_an_older_fence_is_refused_and_writes_nothing() {
     assert_eq!(next.commit().await.unwrap(), EXT1_SENT);
     assert_eq!(state(&db.ledger, &req).await, (2, "EXT1_SENT".into()));
     assert_eq!(points(&db.ledger).await, ["EXT1_SENT", "H1_DONE"]);
+}
+
+/// The external calls of `req`: step, outcome and the result recorded.
+async fn calls(ledger: &Ledger, req: &RequestRecord) -> Vec<(String, String, Option<serde_json::Value>)> {
+    sqlx::query_as(
+        "SELECT step, outcome, result FROM external_calls WHERE client_id = $1 AND idem_key = $2 ORDER BY step",
+    )
+    .bind(req.key.client.as_uuid())
+    .bind(req.key.key.as_str())
+    .fetch_all(ledger.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_phases_external_call_writes_take_effect_only_with_its_fence_check() {
+    let db = TestLedger::new().await;
+    let req = request();
+    let t = Fence::new(2);
+    let e1 = CallWrites { intent: Some(("e1", Uuid::new_v4())), ..Default::default() };
+    let phase =
+        db.ledger.begin_phase_with(&req, t, &RecoveryPoint::STARTED, &EXT1_SENT, &[&EXT1_SENT], e1).await.unwrap();
+    phase.commit().await.unwrap();
+    assert_eq!(calls(&db.ledger, &req).await, [("e1".to_owned(), "sent".to_owned(), None)]);
+
+    let applied = Verdict::Applied(Applied {
+        idempotency_key: "k".into(),
+        end_to_end_id: "E2E-1".into(),
+        amount_minor: 1250,
+        currency: "EUR".into(),
+        originator: "o".into(),
+        reference: "r-1".into(),
+        applied_at: "2026-12-02T00:00:00Z".into(),
+    });
+    const EXT1_DONE: RecoveryPoint = RecoveryPoint::named("EXT1_DONE");
+    let e1_done = CallWrites { verdict: Some(("e1", &applied)), intent: Some(("e2", Uuid::new_v4())) };
+    // An older owner's verdict and intent: refused, and nothing of them written.
+    match db.ledger.begin_phase_with(&req, Fence::new(1), &EXT1_SENT, &EXT1_DONE, &[&EXT1_DONE], e1_done).await {
+        Err(LedgerError::FencedOut { .. }) => {}
+        Err(other) => panic!("expected fenced out, got {other}"),
+        Ok(_) => panic!("a phase under an older fence was allowed to begin"),
+    }
+    assert_eq!(calls(&db.ledger, &req).await, [("e1".to_owned(), "sent".to_owned(), None)]);
+
+    // The owner's: both, with the move.
+    let phase = db.ledger.begin_phase_with(&req, t, &EXT1_SENT, &EXT1_DONE, &[&EXT1_DONE], e1_done).await.unwrap();
+    phase.commit().await.unwrap();
+    let recorded = calls(&db.ledger, &req).await;
+    assert_eq!(
+        recorded.iter().map(|c| (c.0.as_str(), c.1.as_str())).collect::<Vec<_>>(),
+        [("e1", "done"), ("e2", "sent")]
+    );
+    assert_eq!(recorded[0].2.as_ref().and_then(|r| r["reference"].as_str()), Some("r-1"));
 }
 
 #[tokio::test]
