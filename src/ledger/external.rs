@@ -25,6 +25,7 @@ pub struct CallWrites<'a> {
 
 /// [`CallWrites`] as the opening statement binds them: arrays, empty when
 /// there is nothing to write.
+#[derive(Default)]
 pub(super) struct CallBinds<'a> {
     pub intent_steps: Vec<&'a str>,
     pub intent_keys: Vec<uuid::Uuid>,
@@ -35,13 +36,7 @@ pub(super) struct CallBinds<'a> {
 
 impl<'a> CallWrites<'a> {
     pub(super) fn binds(&self) -> Result<CallBinds<'a>, LedgerError> {
-        let mut binds = CallBinds {
-            intent_steps: Vec::new(),
-            intent_keys: Vec::new(),
-            verdict_steps: Vec::new(),
-            verdict_outcomes: Vec::new(),
-            verdict_results: Vec::new(),
-        };
+        let mut binds = CallBinds::default();
         if let Some((step, key)) = self.intent {
             binds.intent_steps.push(step);
             binds.intent_keys.push(key);
