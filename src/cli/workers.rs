@@ -233,6 +233,15 @@ pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
         let ledger = Ledger::connect(&args.ledger).await.context("connecting to the ledger")?;
         eprintln!("keyfence maintain: the ledger's partitions...");
         let region = args.region.as_deref().context("--partitions needs --region (KEYFENCE_REGION)")?;
+        // The hand-offs that hold drops back are counted by region: counted
+        // for another region's name, they would be none, and spans a
+        // reconciler still needs would go.
+        let bound = ledger.region_fence().await.context("reading the ledger's region")?.region;
+        if let Some(bound) = bound.filter(|bound| bound != region) {
+            anyhow::bail!(
+                "this ledger is region {bound}'s, not {region}'s: --region must name the ledger's own region"
+            );
+        }
         let handoffs = match keys.all_handoffs(region).await {
             Ok(handoffs) => Some(handoffs.len()),
             Err(e) => {

@@ -192,6 +192,19 @@ async fn old_partitions_go_once_their_requests_ended_and_a_request_in_flight_kee
     assert_eq!(ledger_rows(&app).await.0, 42, "nothing dropped while a hand-off waits");
     app.keys.store.forget_handoff(&handoff).await.unwrap();
 
+    // Counted for another region's name, the hand-offs would be none: the
+    // ledger knows whose it is, and refuses.
+    let run = keyfence_command(&app, "maintain")
+        .args(["--partitions", "--region", "test-2"])
+        .args(FLAGS)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && said.contains("region test-1's, not test-2's"), "{said}");
+    assert_eq!(ledger_rows(&app).await.0, 42, "nothing dropped for a region that is not the ledger's");
+
     let report = maintain(&app, &["--partitions"]).await;
     let partitions = &report["partitions"];
     let dropped = partitions["dropped"].as_array().unwrap();
