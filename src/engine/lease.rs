@@ -33,6 +33,9 @@ pub(super) struct Attempt {
     /// key: the ledger stores these bytes rather than its own, in the same
     /// transaction that finishes the request.
     pub known_answer: Option<StoredResponse>,
+    /// The final answer this attempt's own phase stored and committed: the
+    /// ledger's answer, known without reading it back.
+    pub committed_answer: Option<StoredResponse>,
 }
 
 impl Attempt {
@@ -53,6 +56,7 @@ impl Attempt {
             hold_sent: false,
             fresh,
             known_answer: None,
+            committed_answer: None,
         }
     }
 

@@ -15,8 +15,8 @@ use sqlx::PgConnection;
 use super::EngineError;
 use crate::domain::{Fence, RecoveryPoint, StoredResponse};
 use crate::keystore::Hold;
-use crate::ledger::RequestRecord;
-use crate::rail::{Declined, Instruction};
+use crate::ledger::{RequestRecord, external};
+use crate::rail::{Applied, Declined, Instruction, Verdict};
 
 #[derive(Debug, Clone)]
 pub struct ExternalStep {
@@ -39,6 +39,25 @@ pub struct StepContext<'a> {
     pub conn: &'a mut PgConnection,
     pub request: &'a RequestRecord,
     pub fence: Fence,
+    /// The verdict this phase records (the step awaited, and what it
+    /// answered), written by the statement that opened the phase.
+    pub settled: Option<(&'a str, &'a Verdict)>,
+}
+
+impl StepContext<'_> {
+    /// What external step `step` applied, as the ledger holds it: the
+    /// verdict this phase records, or else the one committed before.
+    pub async fn applied(&mut self, step: &str) -> Result<Applied, EngineError> {
+        if let Some((settled, Verdict::Applied(applied))) = self.settled
+            && settled == step
+        {
+            return Ok(applied.clone());
+        }
+        let result = external::outcome_of(self.conn, self.request, step)
+            .await?
+            .ok_or_else(|| EngineError::Fault(format!("no recorded outcome for {step}")))?;
+        serde_json::from_value(result).map_err(|e| EngineError::Fault(format!("recorded outcome of {step}: {e}")))
+    }
 }
 
 pub trait Operation: Send + Sync {

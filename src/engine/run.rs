@@ -280,12 +280,17 @@ impl<K: KeyStore> Engine<K> {
         let fence = attempt.holder.fence;
         let points: Vec<&RecoveryPoint> = work.iter().map(Work::point).collect();
         let missing = || EngineError::Fault("outcome missing".into());
-        // The external calls' writes ride the statement that checks the fence.
+        // The external calls' writes ride the statement that checks the fence
+        // (a stretch of work awaits one step at most and sends one at most).
         let mut calls = CallWrites::default();
         for item in work {
             match item {
-                Work::Outcome(ext) => calls.verdict = Some((ext.name, outcome.ok_or_else(missing)?)),
+                Work::Outcome(ext) => {
+                    debug_assert!(calls.verdict.is_none(), "one verdict a phase");
+                    calls.verdict = Some((ext.name, outcome.ok_or_else(missing)?))
+                }
                 Work::Intent(ext) => {
+                    debug_assert!(calls.intent.is_none(), "one intent a phase");
                     calls.intent =
                         Some((ext.name, derived_key(&attempt.record.key, attempt.record.payment_id, ext.name)))
                 }
@@ -293,29 +298,29 @@ impl<K: KeyStore> Engine<K> {
             }
         }
         let mut phase = self.ledger.begin_phase_with(&attempt.record, fence, &attempt.at, &to, &points, calls).await?;
+        let mut stored = None;
         for item in work {
-            match item {
-                Work::Outcome(_) | Work::Intent(_) => {}
-                Work::Local(point) => {
-                    let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
-                    if let Some(answer) = op.local(point, &mut cx).await? {
-                        let answer = self.answer_to_store(attempt.known_answer.as_ref(), &answer)?;
-                        phase.store_answer(&attempt.record, answer).await?;
-                    }
-                }
+            let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence, settled: calls.verdict };
+            let answer = match item {
+                Work::Outcome(_) | Work::Intent(_) => None,
+                Work::Local(point) => op.local(point, &mut cx).await?,
                 Work::Declined(ext) => {
                     let Some(Verdict::Declined(declined)) = outcome else { return Err(missing()) };
-                    let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
                     let answer = op.declined(ext, declined, &mut cx).await?;
                     metrics::counter!("keyfence_declines_total", "step" => ext.name).increment(1);
-                    let answer = self.answer_to_store(attempt.known_answer.as_ref(), &answer)?;
-                    phase.store_answer(&attempt.record, answer).await?;
+                    Some(answer)
                 }
+            };
+            if let Some(answer) = answer {
+                let answer = self.answer_to_store(attempt.known_answer.as_ref(), &answer)?;
+                phase.store_answer(&attempt.record, answer).await?;
+                stored = Some(answer.clone());
             }
         }
         failpoint::boundary(|| format!("before-commit:{to}"));
         attempt.commit_attempted = true;
         attempt.at = phase.commit().await?;
+        attempt.committed_answer = stored;
         failpoint::boundary(|| format!("after-commit:{to}"));
         Ok(())
     }
@@ -442,7 +447,7 @@ impl<K: KeyStore> Engine<K> {
             metrics::counter!("keyfence_indeterminate_total", "step" => ext.name).increment(1);
             tracing::warn!(key = %attempt.record.key, step = ext.name, attempts, "outcome indeterminate; listed for settlement");
             external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, fence).await?;
-            let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence };
+            let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence, settled: None };
             op.indeterminate(ext, &mut cx).await?;
         }
         phase.commit().await?;
@@ -455,9 +460,12 @@ impl<K: KeyStore> Engine<K> {
     /// the key's stored answer if it is finished (someone else's, perhaps
     /// rebuilt elsewhere, and the one every retry gets), else "in flight".
     async fn publish<O: Operation>(&self, op: &O, attempt: &Attempt) -> Result<Answer, EngineError> {
-        let response = self.ledger.answer(&attempt.record).await?.ok_or_else(|| {
-            EngineError::Fault(format!("{} is finished but has no stored answer", attempt.record.key))
-        })?;
+        let response = match &attempt.committed_answer {
+            Some(answer) => answer.clone(),
+            None => self.ledger.answer(&attempt.record).await?.ok_or_else(|| {
+                EngineError::Fault(format!("{} is finished but has no stored answer", attempt.record.key))
+            })?,
+        };
         // Before the key is finished: a finished key's hold is concluded.
         self.conclude_hold(op, attempt, &response).await?;
         let finish =

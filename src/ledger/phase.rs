@@ -6,14 +6,15 @@
 //! records the recovery points the phase passes, only if the row moved (the
 //! primary key of `phase_runs` stands behind that: no point is recorded
 //! twice), and makes the phase's external-call writes, also only if it
-//! moved ([`super::external::CallWrites`]). Zero rows means a newer owner exists or the phase already ran;
-//! the transaction is then dropped, so nothing the caller would have
-//! written survives. The row stays locked until commit, so an older owner
-//! cannot slip a write in between the check and the business writes that
-//! follow it. The same
-//! statement reads the ledger's region fence, under the advisory lock the
-//! transaction took as it began ([`super::region_fence`]): a ledger whose
-//! region was declared failed commits nothing more.
+//! moved ([`super::external::CallWrites`]; a verdict that finds no intent
+//! to settle fails the phase). Zero rows means a newer owner exists or the
+//! phase already ran; the transaction is then dropped, so nothing the
+//! caller would have written survives. The row stays locked until commit,
+//! so an older owner cannot slip a write in between the check and the
+//! business writes that follow it. The same statement reads the ledger's
+//! region fence, under the advisory lock the transaction took as it began
+//! ([`super::region_fence`]): a ledger whose region was declared failed
+//! commits nothing more.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -100,7 +101,8 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
 /// The first phase: insert the row at its first recovery point, or move a
 /// row adopted at `STARTED` ($10) there, record the points it passes
 /// ($11) and make its external-call writes ($12-$16). Like every phase it
-/// first reads the region fence, in the same statement.
+/// first reads the region fence, in the same statement. It returns a row
+/// only if the row moved, holding the number of verdicts it recorded.
 static FIRST_PHASE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH fence AS (SELECT failed FROM region_fence),
@@ -116,14 +118,15 @@ static FIRST_PHASE: LazyLock<String> = LazyLock::new(|| {
         INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $7 FROM unnest($11::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
      {}
-     SELECT 1 FROM moved",
+     SELECT (SELECT count(*) FROM verdict) FROM moved",
         external::call_writes(7, 12)
     )
 });
 
 /// A later phase: move the row from $6 to $5 under fence $4, record the
 /// points it passes ($7) and make its external-call writes ($8-$12),
-/// reading the region fence in the same statement.
+/// reading the region fence in the same statement; it returns what
+/// [`FIRST_PHASE`] does.
 static NEXT_PHASE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH fence AS (SELECT failed FROM region_fence),
@@ -137,7 +140,7 @@ static NEXT_PHASE: LazyLock<String> = LazyLock::new(|| {
         INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
      {}
-     SELECT 1 FROM moved",
+     SELECT (SELECT count(*) FROM verdict) FROM moved",
         external::call_writes(4, 8)
     )
 });
@@ -244,17 +247,27 @@ impl Ledger {
                 .bind(to.as_str())
                 .bind(from.as_str())
         };
-        let moved: Option<PgRow> = opening
+        let verdicts = calls.verdict_steps.len();
+        let moved: Option<i64> = opening
             .bind(passes)
             .bind(calls.intent_steps)
             .bind(calls.intent_keys)
             .bind(calls.verdict_steps)
             .bind(calls.verdict_outcomes)
             .bind(calls.verdict_results)
+            .try_map(|row: PgRow| row.try_get(0))
             .fetch_optional(&mut *tx)
             .await?;
-        if moved.is_some() {
-            return Ok(Phase { tx, to: to.clone(), _timer: timer });
+        match moved {
+            // Dropping the transaction takes the move back with it.
+            Some(settled) if settled != verdicts as i64 => {
+                return Err(LedgerError::Corrupt(format!(
+                    "{}: a verdict for a call that has no intent recorded",
+                    request.key
+                )));
+            }
+            Some(_) => return Ok(Phase { tx, to: to.clone(), _timer: timer }),
+            None => {}
         }
         let fenced: Option<(bool, Option<String>)> =
             sqlx::query_as("SELECT failed, region FROM region_fence").fetch_optional(&mut *tx).await?;

@@ -14,8 +14,7 @@ pub use refund::{RefundOperation, RefundOrder, RefundedPayment};
 use crate::domain::{RecoveryPoint, StoredResponse};
 use crate::engine::{EngineError, ExternalStep, Operation, Step, StepContext};
 use crate::keystore::Hold;
-use crate::ledger::{RequestRecord, external};
-use crate::rail::{Applied, Declined, Instruction};
+use crate::rail::{Declined, Instruction};
 
 /// The rail a payment is screened and authorised at (E1).
 pub const SCREENING: &str = "screening";
@@ -98,16 +97,4 @@ impl Operation for Registered {
             Self::Refund(op) => op.hold(),
         }
     }
-}
-
-/// The recorded answer of an external step, committed in this transaction.
-async fn rail_result(
-    conn: &mut sqlx::PgConnection,
-    request: &RequestRecord,
-    step: &str,
-) -> Result<Applied, EngineError> {
-    let result = external::outcome_of(conn, request, step)
-        .await?
-        .ok_or_else(|| EngineError::Fault(format!("no recorded outcome for {step}")))?;
-    serde_json::from_value(result).map_err(|e| EngineError::Fault(format!("recorded outcome of {step}: {e}")))
 }

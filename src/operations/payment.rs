@@ -24,7 +24,7 @@ use crate::ledger::payments::{self, Leg, Payment};
 use crate::rail::{Declined, Instruction};
 use crate::webhooks;
 
-use super::{PAYMENT_RAIL, SCREENING, rail_result};
+use super::{PAYMENT_RAIL, SCREENING};
 use crate::engine::{EngineError, ExternalStep, Operation, Step, StepContext};
 
 const H1_DONE: RecoveryPoint = RecoveryPoint::named("H1_DONE");
@@ -95,7 +95,7 @@ impl PaymentOperation {
     }
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
-        let rail = rail_result(cx.conn, cx.request, "ext2").await?;
+        let rail = cx.applied("ext2").await?;
         self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account)).await?;
         let payment =
             payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
@@ -226,7 +226,7 @@ impl Operation for PaymentOperation {
             self.transfer(cx, "hold", &self.debtor_account(), &self.hold_account()).await?;
             Ok(None)
         } else if *point == H2_DONE {
-            rail_result(cx.conn, cx.request, "ext1").await?;
+            cx.applied("ext1").await?;
             self.transfer(cx, "clear", &self.hold_account(), CLEARING).await?;
             Ok(None)
         } else if *point == RecoveryPoint::FINISHED {

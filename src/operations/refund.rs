@@ -30,7 +30,7 @@ use crate::ledger::refunds::{self, NewRefund, Refund};
 use crate::rail::{Declined, Instruction};
 use crate::webhooks;
 
-use super::{PAYMENT_RAIL, rail_result};
+use super::PAYMENT_RAIL;
 
 const R1_DONE: RecoveryPoint = RecoveryPoint::named("R1_DONE");
 
@@ -118,7 +118,7 @@ impl RefundOperation {
     }
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
-        let rail = rail_result(cx.conn, cx.request, "refund").await?;
+        let rail = cx.applied("refund").await?;
         self.transfer(cx, "refund", &self.hold_account(), &format!("debtor:{}", self.order.payment.debtor_account))
             .await?;
         let refund =

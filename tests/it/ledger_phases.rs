@@ -164,6 +164,16 @@ async fn a_phases_external_call_writes_take_effect_only_with_its_fence_check() {
     }
     assert_eq!(calls(&db.ledger, &req).await, [("e1".to_owned(), "sent".to_owned(), None)]);
 
+    // A verdict for a step that was never sent finds no intent to settle:
+    // the phase fails, and its move goes with it.
+    let stray = CallWrites { verdict: Some(("e9", &applied)), ..Default::default() };
+    match db.ledger.begin_phase_with(&req, t, &EXT1_SENT, &EXT1_DONE, &[&EXT1_DONE], stray).await {
+        Err(LedgerError::Corrupt(_)) => {}
+        Err(other) => panic!("expected a refused verdict, got {other}"),
+        Ok(_) => panic!("a verdict without an intent was written"),
+    }
+    assert_eq!(calls(&db.ledger, &req).await, [("e1".to_owned(), "sent".to_owned(), None)]);
+
     // The owner's: both, with the move.
     let phase = db.ledger.begin_phase_with(&req, t, &EXT1_SENT, &EXT1_DONE, &[&EXT1_DONE], e1_done).await.unwrap();
     phase.commit().await.unwrap();
