@@ -30,7 +30,7 @@ use keyfence::engine::{
     Answer, Engine, EngineError, EngineSettings, ExternalStep, Operation, Rails, Step, StepContext,
 };
 use keyfence::keystore::{self, DynamoKeyStore};
-use keyfence::ledger::{Ledger, external};
+use keyfence::ledger::Ledger;
 use keyfence::rail::{Applied, Declined, Instruction, RailClient, sim};
 use keyfence::regions::{RegionStore, RegionView};
 use serde::{Deserialize, Serialize};
@@ -74,32 +74,24 @@ impl Operation for Payout {
         point: &RecoveryPoint,
         cx: &mut StepContext<'_>,
     ) -> Result<Option<StoredResponse>, EngineError> {
-        let fault = |e: sqlx::Error| EngineError::Fault(e.to_string());
+        let id = cx.request.payment_id;
         if *point == RECORDED {
-            sqlx::query(
+            // A write nothing in the phase reads is held, and goes with the
+            // phase's next statement or its commit.
+            cx.writes().push(
                 "INSERT INTO example_payouts (id, beneficiary, amount_minor, currency, status)
                  VALUES ($1, $2, $3, $4, 'recorded')",
-            )
-            .bind(cx.request.payment_id)
-            .bind(&self.beneficiary)
-            .bind(self.amount_minor)
-            .bind(&self.currency)
-            .execute(&mut *cx.conn)
-            .await
-            .map_err(fault)?;
+                |b| {
+                    b.bind(id).bind(&self.beneficiary).bind(self.amount_minor).bind(&self.currency);
+                },
+            );
             return Ok(None);
         }
-        let result = external::outcome_of(cx.conn, cx.request, "payout")
-            .await?
-            .ok_or_else(|| EngineError::Fault("the payout has no recorded outcome".into()))?;
-        let applied: Applied = serde_json::from_value(result).map_err(|e| EngineError::Fault(e.to_string()))?;
-        sqlx::query("UPDATE example_payouts SET status = 'paid' WHERE id = $1")
-            .bind(cx.request.payment_id)
-            .execute(&mut *cx.conn)
-            .await
-            .map_err(fault)?;
-        let body =
-            serde_json::json!({ "id": cx.request.payment_id, "status": "paid", "rail_reference": applied.reference });
+        let applied = cx.applied("payout").await?;
+        cx.writes().push("UPDATE example_payouts SET status = 'paid' WHERE id = $1", |b| {
+            b.bind(id);
+        });
+        let body = serde_json::json!({ "id": id, "status": "paid", "rail_reference": applied.reference });
         Ok(Some(answer(201, &body)))
     }
 
@@ -109,12 +101,14 @@ impl Operation for Payout {
         declined: &Declined,
         cx: &mut StepContext<'_>,
     ) -> Result<StoredResponse, EngineError> {
+        // A statement whose result the step reads goes through `cx.conn()`.
+        let id = cx.request.payment_id;
         sqlx::query("UPDATE example_payouts SET status = 'declined' WHERE id = $1")
-            .bind(cx.request.payment_id)
-            .execute(&mut *cx.conn)
+            .bind(id)
+            .execute(cx.conn().await?)
             .await
             .map_err(|e| EngineError::Fault(e.to_string()))?;
-        Ok(answer(402, &serde_json::json!({ "id": cx.request.payment_id, "reason": declined.reason_code })))
+        Ok(answer(402, &serde_json::json!({ "id": id, "reason": declined.reason_code })))
     }
 
     async fn indeterminate(&self, _step: &ExternalStep, _cx: &mut StepContext<'_>) -> Result<(), EngineError> {

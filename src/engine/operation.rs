@@ -15,7 +15,8 @@ use sqlx::PgConnection;
 use super::EngineError;
 use crate::domain::{Fence, RecoveryPoint, StoredResponse};
 use crate::keystore::Hold;
-use crate::ledger::{RequestRecord, external};
+use crate::ledger::writes::Writes;
+use crate::ledger::{Phase, RequestRecord, external};
 use crate::rail::{Applied, Declined, Instruction, Verdict};
 
 #[derive(Debug, Clone)]
@@ -34,9 +35,9 @@ pub enum Step {
     External(ExternalStep),
 }
 
-/// What a local step works with: the phase's transaction and the request.
+/// What a local step works with: the phase and the request.
 pub struct StepContext<'a> {
-    pub conn: &'a mut PgConnection,
+    pub phase: &'a mut Phase,
     pub request: &'a RequestRecord,
     pub fence: Fence,
     /// The verdict this phase records (the step awaited, and what it
@@ -45,6 +46,18 @@ pub struct StepContext<'a> {
 }
 
 impl StepContext<'_> {
+    /// The phase's transaction, for statements whose results the step
+    /// reads (the writes held before them are sent first).
+    pub async fn conn(&mut self) -> Result<&mut PgConnection, EngineError> {
+        Ok(self.phase.conn().await?)
+    }
+
+    /// Where the step holds its writes that nothing in the phase reads:
+    /// sent together, in order, before the phase's next other statement.
+    pub fn writes(&mut self) -> &mut Writes {
+        self.phase.writes()
+    }
+
     /// What external step `step` applied, as the ledger holds it: the
     /// verdict this phase records, or else the one committed before.
     pub async fn applied(&mut self, step: &str) -> Result<Applied, EngineError> {
@@ -53,7 +66,8 @@ impl StepContext<'_> {
         {
             return Ok(applied.clone());
         }
-        let result = external::outcome_of(self.conn, self.request, step)
+        let request = self.request;
+        let result = external::outcome_of(self.conn().await?, request, step)
             .await?
             .ok_or_else(|| EngineError::Fault(format!("no recorded outcome for {step}")))?;
         serde_json::from_value(result).map_err(|e| EngineError::Fault(format!("recorded outcome of {step}: {e}")))

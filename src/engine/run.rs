@@ -300,7 +300,7 @@ impl<K: KeyStore> Engine<K> {
         let mut phase = self.ledger.begin_phase_with(&attempt.record, fence, &attempt.at, &to, &points, calls).await?;
         let mut stored = None;
         for item in work {
-            let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence, settled: calls.verdict };
+            let mut cx = StepContext { phase: &mut phase, request: &attempt.record, fence, settled: calls.verdict };
             let answer = match item {
                 Work::Outcome(_) | Work::Intent(_) => None,
                 Work::Local(point) => op.local(point, &mut cx).await?,
@@ -313,7 +313,7 @@ impl<K: KeyStore> Engine<K> {
             };
             if let Some(answer) = answer {
                 let answer = self.answer_to_store(attempt.known_answer.as_ref(), &answer)?;
-                phase.store_answer(&attempt.record, answer).await?;
+                phase.store_answer(&attempt.record, answer);
                 stored = Some(answer.clone());
             }
         }
@@ -435,7 +435,7 @@ impl<K: KeyStore> Engine<K> {
         let fence = attempt.holder.fence;
         let mut phase = self.ledger.begin_phase(&attempt.record, fence, &attempt.at, &attempt.at, &[]).await?;
         let attempts = external::record_unknown_attempt(
-            phase.conn(),
+            phase.conn().await?,
             &attempt.record,
             ext.name,
             fence,
@@ -446,8 +446,8 @@ impl<K: KeyStore> Engine<K> {
         if attempts >= self.settings.max_unknown_attempts {
             metrics::counter!("keyfence_indeterminate_total", "step" => ext.name).increment(1);
             tracing::warn!(key = %attempt.record.key, step = ext.name, attempts, "outcome indeterminate; listed for settlement");
-            external::mark_indeterminate(phase.conn(), &attempt.record, ext.name, fence).await?;
-            let mut cx = StepContext { conn: phase.conn(), request: &attempt.record, fence, settled: None };
+            external::mark_indeterminate(phase.conn().await?, &attempt.record, ext.name, fence).await?;
+            let mut cx = StepContext { phase: &mut phase, request: &attempt.record, fence, settled: None };
             op.indeterminate(ext, &mut cx).await?;
         }
         phase.commit().await?;

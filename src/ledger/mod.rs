@@ -3,8 +3,9 @@
 //! schema lives in `migrations/`; the one rule every write obeys lives in
 //! `phase`: a phase is a transaction that first proves its fence is current
 //! (and that the region's own fence, [`region_fence`], is open).
-//! [`payments`] and [`external`] are the writes phases make; [`partitions`]
-//! keeps the idempotency tables to what the retention allows.
+//! [`payments`] and [`external`] are the writes phases make ([`writes`]
+//! sends those nothing reads together); [`partitions`] keeps the
+//! idempotency tables to what the retention allows.
 
 mod clients;
 mod error;
@@ -16,6 +17,7 @@ mod phase;
 pub mod refunds;
 mod region_fence;
 pub mod views;
+pub mod writes;
 
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};

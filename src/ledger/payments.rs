@@ -1,6 +1,7 @@
-//! Payments and their double-entry postings. Writes take the phase's
-//! connection (they happen inside a fenced phase); reads are scoped to the
-//! client that asks, so one client can never see another's payment.
+//! Payments and their double-entry postings. Writes happen inside a fenced
+//! phase (the blind ones, a payment's creation and its postings, are held
+//! with the phase's other writes); reads are scoped to the client that
+//! asks, so one client can never see another's payment.
 
 use serde::Serialize;
 use sqlx::{FromRow, PgConnection};
@@ -8,6 +9,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::phase::{RequestRecord, fence_param};
+use super::writes::Writes;
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{ClientId, Fence, PaymentRequest};
 
@@ -42,58 +44,39 @@ pub struct Leg<'a> {
 }
 
 /// Creates the payment row for a request (status `pending`).
-pub async fn insert_payment(
-    conn: &mut PgConnection,
-    request: &RequestRecord,
-    payment: &PaymentRequest,
-    fence: Fence,
-) -> Result<(), LedgerError> {
-    sqlx::query(
+pub fn insert_payment(writes: &mut Writes, request: &RequestRecord, payment: &PaymentRequest, fence: Fence) {
+    writes.push(
         "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
                                debtor_account, creditor_account, end_to_end_id, remittance_info, status, fence)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', $11)",
-    )
-    .bind(request.payment_id)
-    .bind(request.key.client.as_uuid())
-    .bind(request.key.key.as_str())
-    .bind(timestamp(request.created_at))
-    .bind(payment.amount_minor)
-    .bind(&payment.currency)
-    .bind(&payment.debtor_account)
-    .bind(&payment.creditor_account)
-    .bind(&payment.end_to_end_id)
-    .bind(&payment.remittance_info)
-    .bind(fence_param(fence))
-    .execute(conn)
-    .await?;
-    Ok(())
+        |b| {
+            b.bind(request.payment_id)
+                .bind(request.key.client.as_uuid())
+                .bind(request.key.key.as_str())
+                .bind(timestamp(request.created_at))
+                .bind(payment.amount_minor)
+                .bind(&payment.currency)
+                .bind(&payment.debtor_account)
+                .bind(&payment.creditor_account)
+                .bind(&payment.end_to_end_id)
+                .bind(&payment.remittance_info)
+                .bind(fence_param(fence));
+        },
+    );
 }
 
 /// Posts one balanced entry, all its legs in one statement (the legs must
 /// sum to zero; the database refuses the commit otherwise).
-pub async fn post(
-    conn: &mut PgConnection,
-    payment_id: Uuid,
-    entry: &str,
-    currency: &str,
-    legs: &[Leg<'_>],
-    fence: Fence,
-) -> Result<(), LedgerError> {
+pub fn post(writes: &mut Writes, payment_id: Uuid, entry: &str, currency: &str, legs: &[Leg<'_>], fence: Fence) {
     let accounts: Vec<&str> = legs.iter().map(|leg| leg.account).collect();
     let amounts: Vec<i64> = legs.iter().map(|leg| leg.amount_minor).collect();
-    sqlx::query(
+    writes.push(
         "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
          SELECT $1, $2, account, amount, $5, $6 FROM unnest($3::text[], $4::bigint[]) AS leg(account, amount)",
-    )
-    .bind(payment_id)
-    .bind(entry)
-    .bind(accounts)
-    .bind(amounts)
-    .bind(currency)
-    .bind(fence_param(fence))
-    .execute(conn)
-    .await?;
-    Ok(())
+        |b| {
+            b.bind(payment_id).bind(entry).bind(accounts).bind(amounts).bind(currency).bind(fence_param(fence));
+        },
+    );
 }
 
 /// Moves a payment to `status`, keeping the rail's reference once known;

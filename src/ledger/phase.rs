@@ -24,6 +24,7 @@ use sqlx::{PgConnection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use super::external::{self, CallWrites};
+use super::writes::Writes;
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
 use crate::metrics::Timer;
@@ -48,35 +49,44 @@ pub struct RequestRecord {
 pub struct Phase {
     tx: Transaction<'static, Postgres>,
     to: RecoveryPoint,
+    /// Writes held until the phase's next other statement or its commit.
+    writes: Writes,
     /// Times the phase from its first statement to its commit (or rollback).
     _timer: Timer,
 }
 
 impl Phase {
-    /// The transaction, for the phase's business writes.
-    pub fn conn(&mut self) -> &mut PgConnection {
-        &mut self.tx
+    /// The transaction, for the phase's business statements, with every
+    /// held write sent first.
+    pub async fn conn(&mut self) -> Result<&mut PgConnection, LedgerError> {
+        self.writes.send(&mut self.tx).await?;
+        Ok(&mut self.tx)
+    }
+
+    /// Writes whose results the phase does not read, sent together later.
+    pub fn writes(&mut self) -> &mut Writes {
+        &mut self.writes
     }
 
     /// Stores the request's final answer, in the phase that finishes it.
-    pub async fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) -> Result<(), LedgerError> {
-        sqlx::query(
+    pub fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) {
+        self.writes.push(
             "UPDATE requests SET response_status = $4, response_headers = $5, response_body = $6
               WHERE client_id = $1 AND idem_key = $2 AND created_at = $3",
-        )
-        .bind(request.key.client.as_uuid())
-        .bind(request.key.key.as_str())
-        .bind(timestamp(request.created_at))
-        .bind(i32::from(answer.status))
-        .bind(sqlx::types::Json(&answer.headers))
-        .bind(&answer.body)
-        .execute(&mut *self.tx)
-        .await?;
-        Ok(())
+            |b| {
+                b.bind(request.key.client.as_uuid())
+                    .bind(request.key.key.as_str())
+                    .bind(timestamp(request.created_at))
+                    .bind(i32::from(answer.status))
+                    .bind(sqlx::types::Json(&answer.headers))
+                    .bind(&answer.body);
+            },
+        );
     }
 
     /// Commits the business writes and the new recovery point together.
-    pub async fn commit(self) -> Result<RecoveryPoint, LedgerError> {
+    pub async fn commit(mut self) -> Result<RecoveryPoint, LedgerError> {
+        self.writes.send(&mut self.tx).await?;
         self.tx.commit().await?;
         Ok(self.to)
     }
@@ -266,7 +276,7 @@ impl Ledger {
                     request.key
                 )));
             }
-            Some(_) => return Ok(Phase { tx, to: to.clone(), _timer: timer }),
+            Some(_) => return Ok(Phase { tx, to: to.clone(), writes: Writes::default(), _timer: timer }),
             None => {}
         }
         let fenced: Option<(bool, Option<String>)> =

@@ -1,5 +1,6 @@
-//! Refunds and their rows. Writes take the phase's connection (they happen
-//! inside a fenced phase); reads are scoped to the client that asks. A
+//! Refunds and their rows. Writes happen inside a fenced phase (the row's
+//! creation is held with the phase's other writes); reads are scoped to
+//! the client that asks. A
 //! refund's postings are posted with [`super::payments::post`] under the
 //! refund's own id, so each refund balances on its own.
 
@@ -9,6 +10,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::phase::{RequestRecord, fence_param};
+use super::writes::Writes;
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{ClientId, Fence};
 
@@ -45,31 +47,25 @@ pub struct NewRefund<'a> {
 }
 
 /// Creates the refund row for a request (status `pending`).
-pub async fn insert(
-    conn: &mut PgConnection,
-    request: &RequestRecord,
-    refund: &NewRefund<'_>,
-    fence: Fence,
-) -> Result<(), LedgerError> {
-    sqlx::query(
+pub fn insert(writes: &mut Writes, request: &RequestRecord, refund: &NewRefund<'_>, fence: Fence) {
+    writes.push(
         "INSERT INTO refunds (id, client_id, idem_key, request_created_at, payment_id, amount_minor, currency,
                               debtor_account, creditor_account, reason, status, fence)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', $11)",
-    )
-    .bind(request.payment_id)
-    .bind(request.key.client.as_uuid())
-    .bind(request.key.key.as_str())
-    .bind(timestamp(request.created_at))
-    .bind(refund.payment_id)
-    .bind(refund.amount_minor)
-    .bind(refund.currency)
-    .bind(refund.debtor_account)
-    .bind(refund.creditor_account)
-    .bind(refund.reason)
-    .bind(fence_param(fence))
-    .execute(conn)
-    .await?;
-    Ok(())
+        |b| {
+            b.bind(request.payment_id)
+                .bind(request.key.client.as_uuid())
+                .bind(request.key.key.as_str())
+                .bind(timestamp(request.created_at))
+                .bind(refund.payment_id)
+                .bind(refund.amount_minor)
+                .bind(refund.currency)
+                .bind(refund.debtor_account)
+                .bind(refund.creditor_account)
+                .bind(refund.reason)
+                .bind(fence_param(fence));
+        },
+    );
 }
 
 /// Moves refund `id` to `status`, keeping the rail's reference or the

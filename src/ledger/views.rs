@@ -184,28 +184,24 @@ async fn reverse_postings(phase: &mut Phase, request: &RequestRecord, fence: Fen
     // refund row instead, which nothing but its own phases writes.)
     sqlx::query("SELECT 1 FROM payments WHERE id = $1 FOR UPDATE")
         .bind(request.payment_id)
-        .execute(&mut *phase.conn())
+        .execute(phase.conn().await?)
         .await?;
     let totals: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT account, currency, sum(amount_minor)::bigint FROM postings WHERE payment_id = $1
           GROUP BY account, currency HAVING sum(amount_minor) <> 0 ORDER BY account",
     )
     .bind(request.payment_id)
-    .fetch_all(&mut *phase.conn())
+    .fetch_all(phase.conn().await?)
     .await?;
     for (account, currency, total) in totals {
-        sqlx::query(
+        phase.writes().push(
             "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
              VALUES ($1, 'void', $2, $3, $4, $5)",
-        )
-        .bind(request.payment_id)
-        .bind(account)
-        .bind(-total)
-        .bind(currency)
-        .bind(fence_param(fence))
-        .execute(&mut *phase.conn())
-        .await?;
+            |b| {
+                b.bind(request.payment_id).bind(account).bind(-total).bind(currency).bind(fence_param(fence));
+            },
+        );
     }
-    payments::mark_voided(phase.conn(), request.payment_id, fence).await?;
-    super::refunds::mark_voided(phase.conn(), request.payment_id, fence).await
+    payments::mark_voided(phase.conn().await?, request.payment_id, fence).await?;
+    super::refunds::mark_voided(phase.conn().await?, request.payment_id, fence).await
 }

@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 
 use crate::domain::{PaymentRequest, RecoveryPoint, StoredResponse};
 use crate::ledger::payments::{self, Leg, Payment};
+use crate::ledger::writes::Writes;
 use crate::rail::{Declined, Instruction};
 use crate::webhooks;
 
@@ -73,11 +74,11 @@ impl PaymentOperation {
     }
 
     /// Moves the amount from one account to another as one balanced entry.
-    async fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) -> Result<(), EngineError> {
+    fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) {
         let amount = self.payment.amount_minor;
         let legs = [Leg { account: from, amount_minor: -amount }, Leg { account: to, amount_minor: amount }];
-        payments::post(cx.conn, cx.request.payment_id, entry, &self.payment.currency, &legs, cx.fence).await?;
-        Ok(())
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        payments::post(cx.writes(), id, entry, &self.payment.currency, &legs, fence);
     }
 
     fn hold_account(&self) -> String {
@@ -96,11 +97,11 @@ impl PaymentOperation {
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
         let rail = cx.applied("ext2").await?;
-        self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account)).await?;
-        let payment =
-            payments::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), cx.fence).await?;
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        let payment = payments::set_status(cx.conn().await?, id, "succeeded", Some(&rail.reference), fence).await?;
+        self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account));
         let body = serde_json::to_vec(&payment).map_err(|e| EngineError::Fault(e.to_string()))?;
-        queue_event(cx, &payment, "payment.succeeded").await?;
+        queue_event(cx, &payment, "payment.succeeded")?;
         Ok(StoredResponse {
             status: 201,
             headers: BTreeMap::from([
@@ -157,20 +158,23 @@ pub async fn apply_return(
         Leg { account: &format!("creditor:{}", payment.creditor_account), amount_minor: -amount_minor },
         Leg { account: &format!("debtor:{}", payment.debtor_account), amount_minor },
     ];
-    payments::post(conn, payment_id, "return", currency, &legs, fence).await?;
-    queue(conn, client, &payment, "payment.returned").await?;
+    let mut writes = Writes::default();
+    payments::post(&mut writes, payment_id, "return", currency, &legs, fence);
+    queue(&mut writes, client, &payment, "payment.returned")?;
+    writes.send(conn).await?;
     Ok(ReturnEffect::Returned)
 }
 
 /// Queues webhook event `event` about `payment`, in the phase that causes
 /// it: the payment as the API shows it, but with its account numbers
 /// masked (the whole payment is one authenticated GET away).
-async fn queue_event(cx: &mut StepContext<'_>, payment: &Payment, event: &str) -> Result<(), EngineError> {
-    queue(cx.conn, cx.request.key.client, payment, event).await
+fn queue_event(cx: &mut StepContext<'_>, payment: &Payment, event: &str) -> Result<(), EngineError> {
+    let client = cx.request.key.client;
+    queue(cx.writes(), client, payment, event)
 }
 
-async fn queue(
-    conn: &mut sqlx::PgConnection,
+fn queue(
+    writes: &mut Writes,
     client: crate::domain::ClientId,
     payment: &Payment,
     event: &str,
@@ -181,7 +185,7 @@ async fn queue(
     if let Some(info) = data.as_object_mut() {
         info.remove("remittance_info");
     }
-    webhooks::queue::event(conn, client, payment.id, event, &data).await?;
+    webhooks::queue::event(writes, client, payment.id, event, &data);
     Ok(())
 }
 
@@ -222,12 +226,13 @@ impl Operation for PaymentOperation {
         cx: &mut StepContext<'_>,
     ) -> Result<Option<StoredResponse>, EngineError> {
         if *point == H1_DONE {
-            payments::insert_payment(cx.conn, cx.request, &self.payment, cx.fence).await?;
-            self.transfer(cx, "hold", &self.debtor_account(), &self.hold_account()).await?;
+            let (request, fence) = (cx.request, cx.fence);
+            payments::insert_payment(cx.writes(), request, &self.payment, fence);
+            self.transfer(cx, "hold", &self.debtor_account(), &self.hold_account());
             Ok(None)
         } else if *point == H2_DONE {
             cx.applied("ext1").await?;
-            self.transfer(cx, "clear", &self.hold_account(), CLEARING).await?;
+            self.transfer(cx, "clear", &self.hold_account(), CLEARING);
             Ok(None)
         } else if *point == RecoveryPoint::FINISHED {
             self.finish(cx).await.map(Some)
@@ -242,15 +247,17 @@ impl Operation for PaymentOperation {
         declined: &Declined,
         cx: &mut StepContext<'_>,
     ) -> Result<StoredResponse, EngineError> {
-        self.transfer(cx, "release", &self.funds_awaiting(step), &self.debtor_account()).await?;
-        let payment = payments::reject(cx.conn, cx.request.payment_id, &declined.reason_code, cx.fence).await?;
-        queue_event(cx, &payment, "payment.rejected").await?;
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        let payment = payments::reject(cx.conn().await?, id, &declined.reason_code, fence).await?;
+        self.transfer(cx, "release", &self.funds_awaiting(step), &self.debtor_account());
+        queue_event(cx, &payment, "payment.rejected")?;
         Ok(declined_answer(payment.id, step, declined))
     }
 
     async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
-        let payment = payments::set_status(cx.conn, cx.request.payment_id, "indeterminate", None, cx.fence).await?;
-        queue_event(cx, &payment, "payment.indeterminate").await
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        let payment = payments::set_status(cx.conn().await?, id, "indeterminate", None, fence).await?;
+        queue_event(cx, &payment, "payment.indeterminate")
     }
 
     fn instruction(&self, _step: &ExternalStep) -> Instruction {

@@ -102,11 +102,11 @@ impl RefundOperation {
         Uuid::new_v5(&payment, b"return")
     }
 
-    async fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) -> Result<(), EngineError> {
+    fn transfer(&self, cx: &mut StepContext<'_>, entry: &str, from: &str, to: &str) {
         let amount = self.order.refund.amount_minor;
         let legs = [Leg { account: from, amount_minor: -amount }, Leg { account: to, amount_minor: amount }];
-        payments::post(cx.conn, cx.request.payment_id, entry, &self.order.payment.currency, &legs, cx.fence).await?;
-        Ok(())
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        payments::post(cx.writes(), id, entry, &self.order.payment.currency, &legs, fence);
     }
 
     fn creditor_account(&self) -> String {
@@ -119,12 +119,10 @@ impl RefundOperation {
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
         let rail = cx.applied("refund").await?;
-        self.transfer(cx, "refund", &self.hold_account(), &format!("debtor:{}", self.order.payment.debtor_account))
-            .await?;
-        let refund =
-            refunds::set_status(cx.conn, cx.request.payment_id, "succeeded", Some(&rail.reference), None, cx.fence)
-                .await?;
-        queue_event(cx, &refund, "refund.succeeded").await?;
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        let refund = refunds::set_status(cx.conn().await?, id, "succeeded", Some(&rail.reference), None, fence).await?;
+        self.transfer(cx, "refund", &self.hold_account(), &format!("debtor:{}", self.order.payment.debtor_account));
+        queue_event(cx, &refund, "refund.succeeded")?;
         let body = serde_json::to_vec(&refund).map_err(|e| EngineError::Fault(e.to_string()))?;
         Ok(StoredResponse {
             status: 201,
@@ -138,9 +136,10 @@ impl RefundOperation {
 }
 
 /// Queues webhook event `event` about `refund`, in the phase that causes it.
-async fn queue_event(cx: &mut StepContext<'_>, refund: &Refund, event: &str) -> Result<(), EngineError> {
+fn queue_event(cx: &mut StepContext<'_>, refund: &Refund, event: &str) -> Result<(), EngineError> {
     let data = serde_json::to_value(refund).map_err(|e| EngineError::Fault(e.to_string()))?;
-    webhooks::queue::event(cx.conn, cx.request.key.client, refund.id, event, &data).await?;
+    let client = cx.request.key.client;
+    webhooks::queue::event(cx.writes(), client, refund.id, event, &data);
     Ok(())
 }
 
@@ -189,8 +188,9 @@ impl Operation for RefundOperation {
                 creditor_account: &payment.creditor_account,
                 reason: order.reason.as_deref(),
             };
-            refunds::insert(cx.conn, cx.request, &refund, cx.fence).await?;
-            self.transfer(cx, "hold", &self.creditor_account(), &self.hold_account()).await?;
+            let (request, fence) = (cx.request, cx.fence);
+            refunds::insert(cx.writes(), request, &refund, fence);
+            self.transfer(cx, "hold", &self.creditor_account(), &self.hold_account());
             Ok(None)
         } else if *point == RecoveryPoint::FINISHED {
             self.finish(cx).await.map(Some)
@@ -205,23 +205,18 @@ impl Operation for RefundOperation {
         declined: &Declined,
         cx: &mut StepContext<'_>,
     ) -> Result<StoredResponse, EngineError> {
-        self.transfer(cx, "release", &self.hold_account(), &self.creditor_account()).await?;
-        let refund = refunds::set_status(
-            cx.conn,
-            cx.request.payment_id,
-            "rejected",
-            None,
-            Some(&declined.reason_code),
-            cx.fence,
-        )
-        .await?;
-        queue_event(cx, &refund, "refund.rejected").await?;
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        let refund =
+            refunds::set_status(cx.conn().await?, id, "rejected", None, Some(&declined.reason_code), fence).await?;
+        self.transfer(cx, "release", &self.hold_account(), &self.creditor_account());
+        queue_event(cx, &refund, "refund.rejected")?;
         Ok(declined_answer(refund.id, declined))
     }
 
     async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
-        let refund = refunds::set_status(cx.conn, cx.request.payment_id, "indeterminate", None, None, cx.fence).await?;
-        queue_event(cx, &refund, "refund.indeterminate").await
+        let (id, fence) = (cx.request.payment_id, cx.fence);
+        let refund = refunds::set_status(cx.conn().await?, id, "indeterminate", None, None, fence).await?;
+        queue_event(cx, &refund, "refund.indeterminate")
     }
 
     /// Money back from the payment's creditor to its debtor, naming the

@@ -4,6 +4,8 @@
 
 use keyfence::domain::{Fence, Millis, RecoveryPoint, RequestHash};
 use keyfence::ledger::external::CallWrites;
+use keyfence::ledger::payments::{self, Leg};
+use keyfence::ledger::writes::Writes;
 use keyfence::ledger::{Adoption, Ledger, LedgerError, Phase, RequestRecord};
 use keyfence::rail::{Applied, Verdict};
 use sqlx::PgConnection;
@@ -90,7 +92,7 @@ async fn state(ledger: &Ledger, req: &RequestRecord) -> (i64, String) {
 
 async fn first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Result<Phase, LedgerError> {
     let mut phase = ledger.begin_phase(req, fence, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await?;
-    hold_funds(phase.conn(), req, fence).await?;
+    hold_funds(phase.conn().await?, req, fence).await?;
     Ok(phase)
 }
 
@@ -116,7 +118,9 @@ async fn a_phase_under_an_older_fence_is_refused_and_writes_nothing() {
 
     // The current owner carries on.
     let mut next = db.ledger.begin_phase(&req, t, &H1_DONE, &EXT1_SENT, &[&EXT1_SENT]).await.unwrap();
-    post(next.conn(), req.payment_id, "transfer", &[("DE01:held", -1250), ("FR02", 1250)], t).await.unwrap();
+    post(next.conn().await.unwrap(), req.payment_id, "transfer", &[("DE01:held", -1250), ("FR02", 1250)], t)
+        .await
+        .unwrap();
     assert_eq!(next.commit().await.unwrap(), EXT1_SENT);
     assert_eq!(state(&db.ledger, &req).await, (2, "EXT1_SENT".into()));
     assert_eq!(points(&db.ledger).await, ["EXT1_SENT", "H1_DONE"]);
@@ -183,6 +187,46 @@ async fn a_phases_external_call_writes_take_effect_only_with_its_fence_check() {
         [("e1", "done"), ("e2", "sent")]
     );
     assert_eq!(recorded[0].2.as_ref().and_then(|r| r["reference"].as_str()), Some("r-1"));
+}
+
+#[tokio::test]
+async fn held_writes_go_in_order_before_the_phases_next_statement_and_fail_its_commit_with_them() {
+    let db = TestLedger::new().await;
+    let req = request();
+    let entry = |writes: &mut Writes, name: &str, req: &RequestRecord| {
+        let legs = [Leg { account: "DE01", amount_minor: -5 }, Leg { account: "FR02", amount_minor: 5 }];
+        payments::post(writes, req.payment_id, name, "EUR", &legs, Fence::FIRST);
+    };
+    let postings = "SELECT count(*) FROM postings WHERE payment_id = $1";
+
+    let mut phase = first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap();
+    entry(phase.writes(), "a", &req);
+    entry(phase.writes(), "b", &req);
+    // The phase's next statement sees them: they were sent before it.
+    let seen: i64 =
+        sqlx::query_scalar(postings).bind(req.payment_id).fetch_one(phase.conn().await.unwrap()).await.unwrap();
+    assert_eq!(seen, 2 + 4, "the hold's two legs and both held entries'");
+    entry(phase.writes(), "c", &req);
+    phase.commit().await.unwrap();
+    let committed: i64 = sqlx::query_scalar(postings).bind(req.payment_id).fetch_one(db.ledger.pool()).await.unwrap();
+    assert_eq!(committed, 2 + 6, "the write held last went with the commit");
+
+    // A held write the database refuses (an entry that does not balance)
+    // fails the commit, and the phase's other writes go with it.
+    let other = request();
+    let mut phase = first_phase(&db.ledger, &other, Fence::FIRST).await.unwrap();
+    entry(phase.writes(), "a", &other);
+    payments::post(
+        phase.writes(),
+        other.payment_id,
+        "fee",
+        "EUR",
+        &[Leg { account: "DE01", amount_minor: -1 }],
+        Fence::FIRST,
+    );
+    assert!(phase.commit().await.is_err(), "an unbalanced held entry committed");
+    let left: i64 = sqlx::query_scalar(postings).bind(other.payment_id).fetch_one(db.ledger.pool()).await.unwrap();
+    assert_eq!(left, 0, "nothing of the phase committed");
 }
 
 #[tokio::test]
@@ -256,8 +300,8 @@ async fn postings_must_balance_and_are_never_rewritten() {
     let req = request();
     let mut phase =
         db.ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
-    hold_funds(phase.conn(), &req, Fence::FIRST).await.unwrap();
-    post(phase.conn(), req.payment_id, "fee", &[("DE01", -10)], Fence::FIRST).await.unwrap();
+    hold_funds(phase.conn().await.unwrap(), &req, Fence::FIRST).await.unwrap();
+    post(phase.conn().await.unwrap(), req.payment_id, "fee", &[("DE01", -10)], Fence::FIRST).await.unwrap();
     let refused = phase.commit().await;
     assert!(
         matches!(&refused, Err(LedgerError::Database(e)) if e.to_string().contains("do not balance")),

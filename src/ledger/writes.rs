@@ -1,0 +1,118 @@
+//! Writes sent together: statements whose results nothing reads (an
+//! insert, an update without `RETURNING`), held back and then sent as one
+//! statement, each a data-modifying common table expression of it. A phase
+//! sends what it holds before its next statement of any other kind and
+//! before its commit, so its effects keep their order; only the round
+//! trips are fewer. The statements of one batch do not see each other's
+//! rows (they share a snapshot), so a batch never holds a write that needs
+//! another of its writes done first, and never two writes of one row.
+
+use sqlx::postgres::PgArguments;
+use sqlx::{Arguments, Encode, PgConnection, Postgres, Type};
+
+use super::LedgerError;
+
+/// Writes waiting to be sent, with their arguments bound in order.
+#[derive(Default)]
+pub struct Writes {
+    /// Each statement, its placeholders numbered after those before it.
+    statements: Vec<String>,
+    args: PgArguments,
+    /// Why a write could not be held (a value that did not encode, or
+    /// arguments that do not match its placeholders), reported by `send`.
+    broken: Option<String>,
+}
+
+/// The arguments of one held write, bound in the order of its placeholders.
+pub struct Binds<'a> {
+    args: &'a mut PgArguments,
+    broken: &'a mut Option<String>,
+}
+
+impl Binds<'_> {
+    pub fn bind<'q, T: Encode<'q, Postgres> + Type<Postgres>>(&mut self, value: T) -> &mut Self {
+        if let Err(e) = self.args.add(value)
+            && self.broken.is_none()
+        {
+            *self.broken = Some(e.to_string());
+        }
+        self
+    }
+}
+
+impl Writes {
+    pub fn is_empty(&self) -> bool {
+        self.statements.is_empty() && self.broken.is_none()
+    }
+
+    /// Holds `sql` (placeholders `$1`..`$n`), its arguments bound by `bind`.
+    pub fn push(&mut self, sql: &str, bind: impl FnOnce(&mut Binds<'_>)) {
+        let first = self.args.len();
+        let (statement, placeholders) = renumber(sql, first);
+        bind(&mut Binds { args: &mut self.args, broken: &mut self.broken });
+        let bound = self.args.len() - first;
+        if bound != placeholders && self.broken.is_none() {
+            self.broken = Some(format!("{bound} argument(s) bound for {placeholders} placeholder(s) in: {sql}"));
+        }
+        self.statements.push(statement);
+    }
+
+    /// Sends what is held, as one statement, and holds nothing after.
+    pub async fn send(&mut self, conn: &mut PgConnection) -> Result<(), LedgerError> {
+        let Writes { statements, args, broken } = std::mem::take(self);
+        if let Some(why) = broken {
+            return Err(LedgerError::Database(sqlx::Error::Encode(format!("a held write: {why}").into())));
+        }
+        let sql = match statements.as_slice() {
+            [] => return Ok(()),
+            [one] => one.clone(),
+            many => {
+                let ctes: Vec<String> = many.iter().enumerate().map(|(i, s)| format!("w{i} AS ({s})")).collect();
+                format!("WITH {} SELECT 1", ctes.join(", "))
+            }
+        };
+        sqlx::query_with(sqlx::AssertSqlSafe(sql), args).execute(conn).await?;
+        Ok(())
+    }
+}
+
+/// `sql` with each placeholder `$n` made `$(n + offset)`, and the highest
+/// `n` it holds.
+fn renumber(sql: &str, offset: usize) -> (String, usize) {
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut highest = 0;
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..=at]);
+        rest = &rest[at + 1..];
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if let Ok(n) = rest[..digits].parse::<usize>() {
+            highest = highest.max(n);
+            out.push_str(&(n + offset).to_string());
+        }
+        rest = &rest[digits..];
+    }
+    out.push_str(rest);
+    (out, highest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_numbered_after_the_writes_before() {
+        assert_eq!(renumber("VALUES ($1, $2, $10)", 3), ("VALUES ($4, $5, $13)".to_owned(), 10));
+        assert_eq!(renumber("SELECT '$' || $1", 0), ("SELECT '$' || $1".to_owned(), 1));
+        assert_eq!(renumber("now()", 7), ("now()".to_owned(), 0));
+    }
+
+    #[test]
+    fn a_write_bound_short_of_its_placeholders_is_held_as_broken() {
+        let mut writes = Writes::default();
+        writes.push("INSERT INTO t VALUES ($1, $2)", |b| {
+            b.bind(1_i64);
+        });
+        assert!(writes.broken.as_deref().is_some_and(|why| why.contains("1 argument(s) bound for 2")));
+    }
+}
