@@ -317,8 +317,17 @@ impl Application {
         });
         let housekeeper = self.partitions.map(|(every, plan)| {
             let engine = self.engine.clone();
+            // Counted under a name that is not the ledger's own (a stale
+            // KEYFENCE_REGION), the hand-offs would be none and spans a
+            // reconciler still needs would go: that round drops nothing.
             let handoffs = async move || {
-                engine.keys().all_handoffs(engine.region()).await.map(|all| all.len()).map_err(|e| e.to_string())
+                let (ledger, region) = (engine.ledger(), engine.region());
+                let bound = ledger.bind_region_fence(region).await.map_err(|e| e.to_string())?.region;
+                if bound.as_deref() != Some(region) {
+                    let bound = bound.unwrap_or_default();
+                    return Err(format!("this ledger is region {bound}'s, not {region}'s"));
+                }
+                engine.keys().all_handoffs(region).await.map(|all| all.len()).map_err(|e| e.to_string())
             };
             tokio::spawn(partitions::run_until_stopped(
                 self.engine.ledger().clone(),

@@ -281,18 +281,23 @@ impl<K: KeyStore> Engine<K> {
         let points: Vec<&RecoveryPoint> = work.iter().map(Work::point).collect();
         let missing = || EngineError::Fault("outcome missing".into());
         // The external calls' writes ride the statement that checks the fence
-        // (a stretch of work awaits one step at most and sends one at most).
+        // (a stretch of work awaits one step at most and sends one at most:
+        // a second would go unrecorded, so it is refused, never overwritten).
+        let twice = |what: &str| EngineError::Fault(format!("a phase carries one {what} at most"));
         let mut calls = CallWrites::default();
         for item in work {
             match item {
                 Work::Outcome(ext) => {
-                    debug_assert!(calls.verdict.is_none(), "one verdict a phase");
-                    calls.verdict = Some((ext.name, outcome.ok_or_else(missing)?))
+                    let verdict = (ext.name, outcome.ok_or_else(missing)?);
+                    if calls.verdict.replace(verdict).is_some() {
+                        return Err(twice("verdict"));
+                    }
                 }
                 Work::Intent(ext) => {
-                    debug_assert!(calls.intent.is_none(), "one intent a phase");
-                    calls.intent =
-                        Some((ext.name, derived_key(&attempt.record.key, attempt.record.payment_id, ext.name)))
+                    let intent = (ext.name, derived_key(&attempt.record.key, attempt.record.payment_id, ext.name));
+                    if calls.intent.replace(intent).is_some() {
+                        return Err(twice("intent"));
+                    }
                 }
                 Work::Local(_) | Work::Declined(_) => {}
             }

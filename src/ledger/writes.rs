@@ -2,10 +2,13 @@
 //! insert, an update without `RETURNING`), held back and then sent as one
 //! statement, each a data-modifying common table expression of it. A phase
 //! sends what it holds before its next statement of any other kind and
-//! before its commit, so its effects keep their order; only the round
-//! trips are fewer. The statements of one batch do not see each other's
-//! rows (they share a snapshot), so a batch never holds a write that needs
-//! another of its writes done first, and never two writes of one row.
+//! before its commit, so every statement sees the writes held before it;
+//! only the round trips are fewer. Within one batch there is no order:
+//! PostgreSQL runs the writes in an order of its own (in practice the last
+//! first), and they do not see each other's rows (they share a snapshot).
+//! So a batch never holds a write that needs another of its writes done
+//! first, never two writes of one row, and nothing may read meaning into
+//! the order of the ids its inserts draw.
 
 use sqlx::postgres::PgArguments;
 use sqlx::{Arguments, Encode, PgConnection, Postgres, Type};

@@ -317,6 +317,32 @@ async fn while_the_key_table_cannot_be_read_spans_are_made_ahead_and_nothing_is_
     assert!(!run.status.success() && String::from_utf8_lossy(&run.stderr).contains("--region"));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_drops_nothing_from_a_ledger_that_is_another_regions() {
+    let app = spawn_app_with(|s| short(s, Duration::from_secs(1))).await;
+    pay_many(&app, "paid", 5, 5).await;
+    // The ledger turns out to be another region's (this instance's
+    // KEYFENCE_REGION is stale): hand-offs counted under this instance's
+    // name would be none, so serve's rounds drop nothing.
+    let rebind = async |region: &str| {
+        sqlx::query("UPDATE region_fence SET region = $1").bind(region).execute(app.db.ledger.pool()).await.unwrap();
+    };
+    rebind("test-2").await;
+    until_retention_elapsed().await;
+    assert!(spans_made_past_now(&app).await, "serve went on making the spans ahead");
+    assert_eq!(ledger_rows(&app).await.0, 5, "nothing dropped from another region's ledger");
+
+    // Its own again, the next rounds drop what has ended.
+    rebind("test-1").await;
+    for _ in 0..50 {
+        if ledger_rows(&app).await.0 == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("serve's rounds never dropped the ended requests of its own ledger: {:?}", ledger_rows(&app).await.0);
+}
+
 /// 20,000 payments with `serve` making and dropping partitions every
 /// second beside them; then one maintenance run of the ledger and the keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
