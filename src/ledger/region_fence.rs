@@ -40,12 +40,8 @@ macro_rules! lock_key {
 /// A waiting change gives up after [`CHANGE_WAIT`], so this wait is bounded
 /// without a lock timeout of its own (and a server-wide one must not make
 /// it fail half-way through the statement that opens the transaction).
-pub(super) const BEGIN_PHASE: &str = concat!(
-    "BEGIN; SET LOCAL lock_timeout = 0; SET LOCAL plan_cache_mode = force_generic_plan; ",
-    "SELECT pg_advisory_xact_lock_shared(",
-    lock_key!(),
-    ")"
-);
+pub(super) const BEGIN_PHASE: &str =
+    concat!("BEGIN; SET LOCAL lock_timeout = 0; SELECT pg_advisory_xact_lock_shared(", lock_key!(), ")");
 
 /// How long a fence change waits for the phases in flight.
 pub const CHANGE_WAIT: Duration = Duration::from_secs(3);
