@@ -86,14 +86,20 @@ impl Ledger {
     /// Binds the ledger to `region` if no region has it yet: from then on a
     /// change naming another region is refused. Returns the fence.
     pub async fn bind_region_fence(&self, region: &str) -> Result<RegionFence, LedgerError> {
-        Ok(sqlx::query_as(
+        let fence: RegionFence = sqlx::query_as(
             "WITH bound AS (UPDATE region_fence SET region = $1 WHERE region IS NULL RETURNING failed, region, epoch, reason)
              SELECT * FROM bound UNION ALL SELECT failed, region, epoch, reason FROM region_fence
               WHERE NOT EXISTS (SELECT 1 FROM bound)",
         )
         .bind(region)
         .fetch_one(&self.pool)
-        .await?)
+        .await?;
+        if fence.region.is_some() {
+            return Ok(fence);
+        }
+        // Another bind committed while this one waited for the row: the
+        // statement's snapshot predates it, a new one sees whose it is.
+        self.region_fence().await
     }
 
     /// Sets the fence to `failed` for `region` as declared at registry epoch

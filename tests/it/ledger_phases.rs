@@ -421,6 +421,24 @@ async fn a_fence_change_for_another_region_is_refused() {
     assert!(db.ledger.set_region_fence(true, "r-1", 9, "failed r-1").await.is_ok());
 }
 
+/// Two binds of a fresh ledger at once (serve's region follower and its
+/// partition housekeeper): the one that waited reports the region that won,
+/// never an unbound ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_that_waited_for_another_reports_the_winner() {
+    let db = TestLedger::new().await;
+    let mut first = db.ledger.pool().begin().await.unwrap();
+    sqlx::query("UPDATE region_fence SET region = 'r-1' WHERE region IS NULL").execute(&mut *first).await.unwrap();
+    let ledger = db.ledger.clone();
+    let second = tokio::spawn(async move { ledger.bind_region_fence("r-2").await });
+    // The second bind is waiting for the row the first holds.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the second bind waits for the first");
+    first.commit().await.unwrap();
+    let fence = second.await.unwrap().unwrap();
+    assert_eq!(fence.region.as_deref(), Some("r-1"), "{fence:?}");
+}
+
 /// The ledger pool is as large as `KEYFENCE_LEDGER_POOL_SIZE` says.
 #[tokio::test]
 async fn the_ledger_pool_has_the_size_it_is_given() {
