@@ -321,12 +321,9 @@ impl Application {
             // KEYFENCE_REGION), the hand-offs would be none and spans a
             // reconciler still needs would go: that round drops nothing.
             let handoffs = async move || {
-                let (ledger, region) = (engine.ledger(), engine.region());
-                let bound = ledger.bind_region_fence(region).await.map_err(|e| e.to_string())?.region;
-                if bound.as_deref() != Some(region) {
-                    let bound = bound.unwrap_or_default();
-                    return Err(format!("this ledger is region {bound}'s, not {region}'s"));
-                }
+                let region = engine.region();
+                let fence = engine.ledger().bind_region_fence(region).await.map_err(|e| e.to_string())?;
+                fence.belongs_to(region).map_err(|e| e.to_string())?;
                 engine.keys().all_handoffs(region).await.map(|all| all.len()).map_err(|e| e.to_string())
             };
             tokio::spawn(partitions::run_until_stopped(

@@ -236,12 +236,12 @@ pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
         // The hand-offs that hold drops back are counted by region: counted
         // for another region's name, they would be none, and spans a
         // reconciler still needs would go.
-        let bound = ledger.region_fence().await.context("reading the ledger's region")?.region;
-        if let Some(bound) = bound.filter(|bound| bound != region) {
-            anyhow::bail!(
-                "this ledger is region {bound}'s, not {region}'s: --region must name the ledger's own region"
-            );
-        }
+        ledger
+            .region_fence()
+            .await
+            .context("reading the ledger's region")?
+            .belongs_to(region)
+            .context("--region must name the ledger's own region")?;
         let handoffs = match keys.all_handoffs(region).await {
             Ok(handoffs) => Some(handoffs.len()),
             Err(e) => {

@@ -20,8 +20,9 @@ pub enum LedgerError {
     /// the wait (a stalled transaction). Nothing changed; try again.
     #[error("a phase transaction held the region fence's lock for {0:?} (a stalled phase?): not changed; try again")]
     FenceBusy(std::time::Duration),
-    /// A change of this ledger's region fence named another region.
-    #[error("this ledger is region {ledger}'s, not {asked}'s: its fence was not changed")]
+    /// Work for one region (a fence change, counting its hand-offs) asked
+    /// of a ledger bound to another.
+    #[error("this ledger is region {ledger}'s, not {asked}'s")]
     OtherRegion { ledger: String, asked: String },
     /// A stored value this code cannot accept.
     #[error("ledger data is corrupt: {0}")]

@@ -63,6 +63,17 @@ pub struct RegionFence {
 }
 
 impl RegionFence {
+    /// Refuses work for `region` if the ledger is bound to another region
+    /// (a ledger no region has bound yet takes any).
+    pub fn belongs_to(&self, region: &str) -> Result<(), LedgerError> {
+        match &self.region {
+            Some(ledger) if ledger != region => {
+                Err(LedgerError::OtherRegion { ledger: ledger.clone(), asked: region.to_owned() })
+            }
+            _ => Ok(()),
+        }
+    }
+
     pub fn state(&self) -> &'static str {
         if self.failed { "failed" } else { "open" }
     }
@@ -141,12 +152,8 @@ impl Ledger {
                 let fence: RegionFence = sqlx::query_as("SELECT failed, region, epoch, reason FROM region_fence")
                     .fetch_one(&mut *tx)
                     .await?;
-                match fence.region {
-                    Some(ledger) if ledger != region => {
-                        return Err(LedgerError::OtherRegion { ledger, asked: region.to_owned() });
-                    }
-                    _ => FenceChange::Newer(fence),
-                }
+                fence.belongs_to(region)?;
+                FenceChange::Newer(fence)
             }
         };
         tx.commit().await?;
