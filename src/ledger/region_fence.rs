@@ -95,7 +95,7 @@ impl Ledger {
     }
 
     /// Binds the ledger to `region` if no region has it yet: from then on a
-    /// change naming another region is refused. Returns the fence.
+    /// change naming another region is refused. Returns the fence, always bound.
     pub async fn bind_region_fence(&self, region: &str) -> Result<RegionFence, LedgerError> {
         let fence: RegionFence = sqlx::query_as(
             "WITH bound AS (UPDATE region_fence SET region = $1 WHERE region IS NULL RETURNING failed, region, epoch, reason)
@@ -110,7 +110,13 @@ impl Ledger {
         }
         // Another bind committed while this one waited for the row: the
         // statement's snapshot predates it, a new one sees whose it is.
-        self.region_fence().await
+        let fence = self.region_fence().await?;
+        match fence.region {
+            Some(_) => Ok(fence),
+            // A bind returns a bound fence or nothing: callers count work
+            // under the region it names.
+            None => Err(LedgerError::Corrupt("the region fence is still unbound after a bind".into())),
+        }
     }
 
     /// Sets the fence to `failed` for `region` as declared at registry epoch
