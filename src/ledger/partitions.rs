@@ -279,7 +279,8 @@ impl Ledger {
     }
 
     /// Drops every old span partition whose requests may go, oldest first;
-    /// a span that cannot be counted or dropped is reported, and the next tried.
+    /// a span that cannot be counted or dropped is reported, and the next
+    /// tried. One another instance drops meanwhile is left to it.
     async fn drop_old(&self, plan: &Partitioning, report: &mut Report) -> Result<(), LedgerError> {
         let before: OffsetDateTime = sqlx::query_scalar("SELECT now() - make_interval(secs => $1)")
             .bind(plan.keep.as_secs_f64())
@@ -298,10 +299,12 @@ impl Ledger {
             .bind(plan.keep.as_secs_f64())
             .fetch_one(&self.pool)
             .await;
-            let (requests, open, recent) = match counted {
+            let (requests, open, recent) = match counted.map_err(LedgerError::from) {
                 Ok(counts) => counts,
+                // Another instance dropped it since it was listed.
+                Err(e) if e.has_code("42P01") => continue,
                 Err(e) => {
-                    report.fail(format!("counting {suffix}"), e.into());
+                    report.fail(format!("counting {suffix}"), e);
                     continue;
                 }
             };

@@ -287,6 +287,57 @@ async fn a_span_that_cannot_be_dropped_is_reported_and_the_rest_still_go() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_span_another_instance_drops_while_this_round_goes_is_left_to_it() {
+    let app = spawn_app_with(|s| short(s, Duration::from_secs(3600))).await;
+    pay_many(&app, "paid", 5, 5).await;
+    until_retention_elapsed().await;
+    let pool = app.db.ledger.pool();
+    let span: String = sqlx::query_scalar(
+        "SELECT substr(c.relname, length('requests_') + 1)
+           FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+          WHERE i.inhparent = 'requests'::regclass AND c.relname LIKE 'requests\\_p%'
+          ORDER BY c.relname LIMIT 1",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+
+    // A reader of the oldest partitions holds up the round's first drop,
+    // after it has listed the spans; meanwhile another instance drops
+    // one of them.
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE requests_history IN ACCESS SHARE MODE").execute(&mut *other).await.unwrap();
+    let other_drops = async {
+        let round_waits = async || -> bool {
+            sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'LOCK TABLE requests, %')",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        };
+        let mut waited = 0;
+        while !round_waits().await {
+            waited += 1;
+            assert!(waited < 300, "the round never came to drop a span");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for table in ["external_calls", "phase_runs", "requests"] {
+            let detach = format!("ALTER TABLE {table} DETACH PARTITION {table}_{span}");
+            sqlx::query(sqlx::AssertSqlSafe(detach)).execute(&mut *other).await.unwrap();
+            let drop = format!("DROP TABLE {table}_{span}");
+            sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&mut *other).await.unwrap();
+        }
+        other.commit().await.unwrap();
+    };
+    let ((succeeded, report), ()) = tokio::join!(try_maintain(&app, &["--partitions"]), other_drops);
+    assert!(succeeded, "a span another instance dropped is no failure: {report}");
+    let dropped = report["partitions"]["dropped"].as_array().unwrap();
+    assert!(dropped.iter().all(|d| d["partition"] != span.as_str()), "{report}");
+    only_in_flight_left(&app, &[], 5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_the_key_table_cannot_be_read_spans_are_made_ahead_and_nothing_is_dropped() {
     let app = spawn_app_with(|s| {
         short(s, Duration::from_secs(1));
