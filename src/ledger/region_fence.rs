@@ -38,10 +38,17 @@ macro_rules! lock_key {
 
 /// Opens a phase's transaction holding the lock shared, in one round trip.
 /// A waiting change gives up after [`CHANGE_WAIT`], so this wait is bounded
-/// without a lock timeout of its own (and a server-wide one must not make
-/// it fail half-way through the statement that opens the transaction).
-pub(super) const BEGIN_PHASE: &str =
-    concat!("BEGIN; SET LOCAL lock_timeout = 0; SELECT pg_advisory_xact_lock_shared(", lock_key!(), ")");
+/// without a lock or statement timeout of its own, and a server-wide one
+/// must not fail it. The lock is taken in the message's implicit
+/// transaction, which `BEGIN` then makes the phase's: should the wait fail
+/// all the same (an operator cancels it), nothing is left open, and the
+/// connection goes back to the pool clean rather than inside an aborted
+/// transaction that would fail every statement after it.
+pub(super) const BEGIN_PHASE: &str = concat!(
+    "SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0; SELECT pg_advisory_xact_lock_shared(",
+    lock_key!(),
+    "); BEGIN"
+);
 
 /// How long a fence change waits for the phases in flight.
 pub const CHANGE_WAIT: Duration = Duration::from_secs(3);

@@ -409,6 +409,53 @@ async fn a_stalled_phase_delays_a_fence_change_only_for_its_wait() {
     assert!(db.ledger.set_region_fence(true, "r-1", 1, "drill").await.is_ok(), "once the stall ends, it goes through");
 }
 
+/// A phase queued behind a fence change waits it out even on a server
+/// whose statement timeout is shorter than the change's wait (its owner's
+/// setting, not keyfence's); and one whose opening fails all the same (an
+/// operator cancels it) leaves its pooled connection clean for the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phase_queued_behind_a_fence_change_outlasts_a_statement_timeout_and_a_cancel_spoils_nothing() {
+    use std::time::Duration;
+    let db = TestLedger::new().await;
+    sqlx::query(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 200', current_database()); END $$",
+    )
+    .execute(db.ledger.pool())
+    .await
+    .unwrap();
+    // One connection, so the phase after a failed one uses the same.
+    let mut settings = db.settings.clone();
+    settings.pool_size = 1;
+    let timed = Ledger::connect(&settings).await.unwrap();
+    let open =
+        async || timed.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await;
+
+    // A phase in flight, and a change waiting for it: phases after the
+    // change queue behind it until it gives up.
+    let stalled =
+        db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
+    let ledger = db.ledger.clone();
+    let change = tokio::spawn(async move { ledger.set_region_fence(true, "r-1", 1, "drill").await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let cancel = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        sqlx::query_scalar::<_, bool>(
+            "SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity
+              WHERE wait_event_type = 'Lock' AND query LIKE '%pg_advisory_xact_lock_shared%'",
+        )
+        .fetch_one(db.ledger.pool())
+        .await
+        .unwrap()
+    };
+    let (cancelled, canceled) = tokio::join!(open(), cancel);
+    assert!(canceled, "the queued phase was waiting, past the statement timeout");
+    assert!(cancelled.is_err_and(|e| e.has_code("57014")), "an operator's cancel fails it");
+    let queued = open().await;
+    assert!(matches!(change.await.unwrap(), Err(LedgerError::FenceBusy(_))), "the change gave up");
+    queued.expect("the next phase, on the same connection, waited the change out").commit().await.unwrap();
+    drop(stalled);
+}
+
 /// A ledger bound to its region refuses a change naming another one (an
 /// SRE's `--ledger` pointed at the wrong database).
 #[tokio::test]
