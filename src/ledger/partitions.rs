@@ -79,7 +79,8 @@ pub struct Report {
     /// Hand-offs from this region waiting for the reconciler: while any
     /// does, no partition is dropped (nor a row of the default deleted).
     pub held_for_handoffs: usize,
-    /// This region's hand-offs could not be read: nothing was dropped.
+    /// This region's hand-offs could not be counted (the key table could
+    /// not be read, or the ledger is not this region's): nothing was dropped.
     pub handoffs_unread: bool,
     /// Ended requests deleted from the default partition (with their runs and calls).
     pub default_deleted: u64,
@@ -164,7 +165,7 @@ impl Report {
             );
         }
         if self.handoffs_unread {
-            out += "  nothing dropped: this region's hand-offs could not be read from the key table\n";
+            out += "  nothing dropped: this region's hand-offs could not be counted\n";
         }
         for busy in &self.busy {
             out += &format!("  {busy} was busy past the lock wait: tried again next round\n");
@@ -452,7 +453,7 @@ pub async fn run_until_stopped<H: AsyncFn() -> Result<usize, String>>(
         let waiting = match handoffs().await {
             Ok(waiting) => Some(waiting),
             Err(e) => {
-                tracing::warn!(error = %e, "ledger partitions: could not read this region's hand-offs; dropping nothing");
+                tracing::warn!(error = %e, "ledger partitions: could not count this region's hand-offs; dropping nothing");
                 None
             }
         };
