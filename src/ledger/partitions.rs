@@ -201,7 +201,7 @@ impl Ledger {
     /// One round: makes the spans ahead, drops the old ones that may go,
     /// and deletes what may go from the default partition and the inbox.
     /// `handoffs` counts those from this region waiting for the
-    /// reconciler (`None`: they could not be read); unless it is zero, the
+    /// reconciler (`None`: they could not be counted); unless it is zero, the
     /// round drops and deletes nothing of the requests. A step that fails,
     /// or a span that cannot be dropped, is reported and the rest still runs.
     pub async fn maintain_partitions(&self, plan: &Partitioning, handoffs: Option<usize>) -> Report {
