@@ -36,6 +36,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use sqlx::AssertSqlSafe;
+use sqlx::postgres::types::Oid;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -192,6 +193,7 @@ enum Fate {
 
 /// One partition of `requests`, by suffix.
 struct Span {
+    oid: Oid,
     suffix: String,
     /// `None` for the default partition.
     until: Option<OffsetDateTime>,
@@ -287,11 +289,11 @@ impl Ledger {
             .bind(plan.keep.as_secs_f64())
             .fetch_one(&self.pool)
             .await?;
-        let mut old: Vec<(OffsetDateTime, String)> = (self.spans().await?.into_iter())
-            .filter_map(|s| s.until.filter(|until| *until <= before).map(|until| (until, s.suffix)))
+        let mut old: Vec<(OffsetDateTime, String, Oid)> = (self.spans().await?.into_iter())
+            .filter_map(|s| s.until.filter(|until| *until <= before).map(|until| (until, s.suffix, s.oid)))
             .collect();
-        old.sort();
-        for (_, suffix) in old {
+        old.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        for (_, suffix, oid) in old {
             let partition = quote_ident(&format!("requests_{suffix}"));
             // Counted without a lock, for the report; checked again under one.
             let counted: Result<(i64, i64, i64), _> = sqlx::query_as(AssertSqlSafe(format!(
@@ -303,7 +305,7 @@ impl Ledger {
             let (requests, open, recent) = match counted.map_err(LedgerError::from) {
                 Ok(counts) => counts,
                 // Another instance dropped it since it was listed.
-                Err(e) if e.has_code("42P01") => continue,
+                Err(e) if e.has_code("42P01") && !self.exists(oid).await.unwrap_or(true) => continue,
                 Err(e) => {
                     report.fail(format!("counting {suffix}"), e);
                     continue;
@@ -426,15 +428,24 @@ impl Ledger {
 
     /// The partitions of `requests` with their upper bounds.
     async fn spans(&self) -> Result<Vec<Span>, LedgerError> {
-        let rows: Vec<(String, Option<OffsetDateTime>)> = sqlx::query_as(
-            "SELECT substr(c.relname, length('requests_') + 1),
+        let rows: Vec<(Oid, String, Option<OffsetDateTime>)> = sqlx::query_as(
+            "SELECT c.oid, substr(c.relname, length('requests_') + 1),
                     (regexp_match(pg_get_expr(c.relpartbound, c.oid), $$TO \\('([^']+)'\\)$$))[1]::timestamptz
                FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
               WHERE i.inhparent = 'requests'::regclass",
         )
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows.into_iter().map(|(suffix, until)| Span { suffix, until }).collect())
+        Ok(rows.into_iter().map(|(oid, suffix, until)| Span { oid, suffix, until }).collect())
+    }
+
+    /// Whether the relation `oid` still exists (by its oid, not its name,
+    /// which a partition outside the search path would not be found by).
+    async fn exists(&self, oid: Oid) -> Result<bool, LedgerError> {
+        Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_class WHERE oid = $1)")
+            .bind(oid)
+            .fetch_one(&self.pool)
+            .await?)
     }
 }
 

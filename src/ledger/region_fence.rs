@@ -43,11 +43,16 @@ macro_rules! lock_key {
 /// transaction, which `BEGIN` then makes the phase's: should the wait fail
 /// all the same (an operator cancels it), nothing is left open, and the
 /// connection goes back to the pool clean rather than inside an aborted
-/// transaction that would fail every statement after it.
+/// transaction that would fail every statement after it. The phase reads
+/// committed whatever the server's default, so the fence row its next
+/// statement reads is the one as of after the lock, not of before the
+/// wait; and once the lock is held, the server's statement timeout is the
+/// phase's again.
 pub(super) const BEGIN_PHASE: &str = concat!(
-    "SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0; SELECT pg_advisory_xact_lock_shared(",
+    "SET LOCAL transaction_isolation = 'read committed'; SET LOCAL lock_timeout = 0; ",
+    "SET LOCAL statement_timeout = 0; SELECT pg_advisory_xact_lock_shared(",
     lock_key!(),
-    "); BEGIN"
+    "); BEGIN; SET LOCAL statement_timeout TO DEFAULT"
 );
 
 /// How long a fence change waits for the phases in flight.
@@ -140,8 +145,9 @@ impl Ledger {
     ) -> Result<FenceChange, LedgerError> {
         let epoch = i64::try_from(epoch).unwrap_or(i64::MAX);
         let mut tx = self.pool.begin().await?;
-        let wait = format!("SET LOCAL lock_timeout = '{}ms'", CHANGE_WAIT.as_millis());
-        sqlx::query(sqlx::AssertSqlSafe(wait)).execute(&mut *tx).await?;
+        // Bounded by its lock wait, not by the server's statement timeout.
+        let wait = format!("SET LOCAL lock_timeout = '{}ms'; SET LOCAL statement_timeout = 0", CHANGE_WAIT.as_millis());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(wait)).execute(&mut *tx).await?;
         match sqlx::query(LOCK_FOR_CHANGE).execute(&mut *tx).await {
             Ok(_) => {}
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {

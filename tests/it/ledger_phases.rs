@@ -409,33 +409,45 @@ async fn a_stalled_phase_delays_a_fence_change_only_for_its_wait() {
     assert!(db.ledger.set_region_fence(true, "r-1", 1, "drill").await.is_ok(), "once the stall ends, it goes through");
 }
 
+/// Sets a server-wide setting on the test's database, for the sessions
+/// opened after it.
+async fn set_on_database(db: &TestLedger, setting: &str) {
+    let set = format!("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {setting}', current_database()); END $$");
+    sqlx::query(sqlx::AssertSqlSafe(set)).execute(db.ledger.pool()).await.unwrap();
+}
+
 /// A phase queued behind a fence change waits it out even on a server
 /// whose statement timeout is shorter than the change's wait (its owner's
-/// setting, not keyfence's); and one whose opening fails all the same (an
-/// operator cancels it) leaves its pooled connection clean for the next.
+/// setting, not keyfence's), and so does the change; once the phase holds
+/// its lock the server's timeout is its own again; and a phase whose
+/// opening fails all the same (an operator cancels it) leaves its pooled
+/// connection clean for the next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_phase_queued_behind_a_fence_change_outlasts_a_statement_timeout_and_a_cancel_spoils_nothing() {
     use std::time::Duration;
     let db = TestLedger::new().await;
-    sqlx::query(
-        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 200', current_database()); END $$",
-    )
-    .execute(db.ledger.pool())
-    .await
-    .unwrap();
-    // One connection, so the phase after a failed one uses the same.
+    set_on_database(&db, "statement_timeout = 200").await;
+    // One connection for phases, so the phase after a failed one uses the same.
     let mut settings = db.settings.clone();
     settings.pool_size = 1;
     let timed = Ledger::connect(&settings).await.unwrap();
+    let changes = Ledger::connect(&db.settings).await.unwrap();
     let open =
         async || timed.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await;
+
+    let mut phase = open().await.unwrap();
+    let slow = sqlx::query("SELECT pg_sleep(0.5)").execute(phase.conn().await.unwrap()).await;
+    assert!(
+        slow.is_err_and(|e| LedgerError::from(e).has_code("57014")),
+        "a phase's statements keep the server's timeout"
+    );
+    drop(phase);
 
     // A phase in flight, and a change waiting for it: phases after the
     // change queue behind it until it gives up.
     let stalled =
         db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
-    let ledger = db.ledger.clone();
-    let change = tokio::spawn(async move { ledger.set_region_fence(true, "r-1", 1, "drill").await });
+    let change = tokio::spawn(async move { changes.set_region_fence(true, "r-1", 1, "drill").await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let cancel = async {
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -451,9 +463,39 @@ async fn a_phase_queued_behind_a_fence_change_outlasts_a_statement_timeout_and_a
     assert!(canceled, "the queued phase was waiting, past the statement timeout");
     assert!(cancelled.is_err_and(|e| e.has_code("57014")), "an operator's cancel fails it");
     let queued = open().await;
-    assert!(matches!(change.await.unwrap(), Err(LedgerError::FenceBusy(_))), "the change gave up");
+    let gave_up = change.await.unwrap();
+    assert!(matches!(gave_up, Err(LedgerError::FenceBusy(_))), "the change waited its own wait: {gave_up:?}");
     queued.expect("the next phase, on the same connection, waited the change out").commit().await.unwrap();
     drop(stalled);
+}
+
+/// On a server whose transactions default to repeatable read, a phase
+/// queued behind a change that fails the region still reads the fence as
+/// the change left it: it commits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phase_queued_behind_a_failover_reads_the_fence_it_left_whatever_the_isolation() {
+    use std::time::Duration;
+    let db = TestLedger::new().await;
+    set_on_database(&db, "default_transaction_isolation = ''repeatable read''").await;
+    let ledger = Ledger::connect(&db.settings).await.unwrap();
+    let stalled =
+        ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
+    let changing = ledger.clone();
+    let change = tokio::spawn(async move { changing.set_region_fence(true, "r-1", 1, "failover").await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let queuing = ledger.clone();
+    let queued = tokio::spawn(async move {
+        let phase =
+            queuing.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await?;
+        phase.commit().await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stalled.commit().await.unwrap();
+    assert!(change.await.unwrap().is_ok(), "the change went through once the phase in flight ended");
+    let after = queued.await.unwrap();
+    assert!(matches!(after, Err(LedgerError::RegionFailed(_))), "{after:?}");
+    let (requests,): (i64,) = sqlx::query_as("SELECT count(*) FROM requests").fetch_one(ledger.pool()).await.unwrap();
+    assert_eq!(requests, 1, "only the phase that ended before the change committed");
 }
 
 /// A ledger bound to its region refuses a change naming another one (an

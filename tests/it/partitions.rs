@@ -302,6 +302,12 @@ async fn a_span_another_instance_drops_while_this_round_goes_is_left_to_it() {
     .await
     .unwrap();
 
+    let bound: String = sqlx::query_scalar("SELECT pg_get_expr(relpartbound, oid) FROM pg_class WHERE relname = $1")
+        .bind(format!("requests_{span}"))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+
     // A reader of the oldest partitions holds up the round's first drop,
     // after it has listed the spans; meanwhile another instance drops
     // one of them.
@@ -335,6 +341,15 @@ async fn a_span_another_instance_drops_while_this_round_goes_is_left_to_it() {
     let dropped = report["partitions"]["dropped"].as_array().unwrap();
     assert!(dropped.iter().all(|d| d["partition"] != span.as_str()), "{report}");
     only_in_flight_left(&app, &[], 5).await;
+
+    // A span that is there but not where its name finds it (another
+    // schema) is no span another instance dropped: it is reported.
+    let elsewhere =
+        format!("CREATE SCHEMA elsewhere; CREATE TABLE elsewhere.requests_{span} PARTITION OF requests {bound}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(elsewhere)).execute(pool).await.unwrap();
+    let (succeeded, report) = try_maintain(&app, &["--partitions"]).await;
+    assert!(!succeeded, "{report}");
+    assert_eq!(report["partitions"]["failed"][0]["step"], format!("counting {span}"), "{report}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
