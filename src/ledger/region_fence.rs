@@ -47,12 +47,14 @@ macro_rules! lock_key {
 /// committed whatever the server's default, so the fence row its next
 /// statement reads is the one as of after the lock, not of before the
 /// wait; and once the lock is held, the server's statement timeout is the
-/// phase's again.
+/// phase's again (put back by the statement that waits, whose own timeout
+/// was settled as it began: `BEGIN` stays the last statement, so a cancel
+/// that lands after the wait still leaves nothing open).
 pub(super) const BEGIN_PHASE: &str = concat!(
     "SET LOCAL transaction_isolation = 'read committed'; SET LOCAL lock_timeout = 0; ",
     "SET LOCAL statement_timeout = 0; SELECT pg_advisory_xact_lock_shared(",
     lock_key!(),
-    "); BEGIN; SET LOCAL statement_timeout TO DEFAULT"
+    "), set_config('statement_timeout', NULL, true); BEGIN"
 );
 
 /// How long a fence change waits for the phases in flight.
