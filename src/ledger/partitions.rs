@@ -289,11 +289,10 @@ impl Ledger {
             .bind(plan.keep.as_secs_f64())
             .fetch_one(&self.pool)
             .await?;
-        let mut old: Vec<(OffsetDateTime, String, Oid)> = (self.spans().await?.into_iter())
-            .filter_map(|s| s.until.filter(|until| *until <= before).map(|until| (until, s.suffix, s.oid)))
-            .collect();
-        old.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-        for (_, suffix, oid) in old {
+        let mut old: Vec<Span> =
+            self.spans().await?.into_iter().filter(|s| s.until.is_some_and(|until| until <= before)).collect();
+        old.sort_by(|a, b| (a.until, &a.suffix).cmp(&(b.until, &b.suffix)));
+        for Span { oid, suffix, .. } in old {
             let partition = quote_ident(&format!("requests_{suffix}"));
             // Counted without a lock, for the report; checked again under one.
             let counted: Result<(i64, i64, i64), _> = sqlx::query_as(AssertSqlSafe(format!(
