@@ -58,19 +58,20 @@ impl<'a> CallWrites<'a> {
 /// The common table expressions that make [`CallWrites`], for a phase's
 /// opening statement whose `moved` says the fence check passed, with the
 /// request's key as `$1`-`$3`, its fence as `$fence` and the five arrays
-/// of [`CallBinds`] from `$first` on. Notifications waiting in the inbox
+/// of [`CallBinds`] from `$first` on, writing the calls to `calls` (the
+/// table, or the request's partition of it). Notifications waiting in the inbox
 /// for the same instruction take effect with the verdict: one of the same
 /// verdict is marked applied, one that contradicts it is kept for the
 /// reconciler.
-pub(super) fn call_writes(fence: u8, first: u8) -> String {
+pub(super) fn call_writes(calls: &str, fence: u8, first: u8) -> String {
     let [steps, keys, verdict_steps, outcomes, results] = std::array::from_fn(|i| first + i as u8);
     format!(
         "intent AS (
-        INSERT INTO external_calls (client_id, idem_key, request_created_at, step, derived_key, fence, outcome)
+        INSERT INTO {calls} (client_id, idem_key, request_created_at, step, derived_key, fence, outcome)
         SELECT $1, $2, $3, step, key, ${fence}, 'sent' FROM unnest(${steps}::text[], ${keys}::uuid[]) AS i(step, key)
          WHERE EXISTS (SELECT 1 FROM moved)),
      verdict AS (
-        UPDATE external_calls c SET outcome = v.outcome, result = v.result, fence = ${fence}, done_at = now()
+        UPDATE {calls} c SET outcome = v.outcome, result = v.result, fence = ${fence}, done_at = now()
           FROM unnest(${verdict_steps}::text[], ${outcomes}::text[], ${results}::jsonb[]) AS v(step, outcome, result)
          WHERE c.client_id = $1 AND c.idem_key = $2 AND c.request_created_at = $3 AND c.step = v.step
            AND EXISTS (SELECT 1 FROM moved)

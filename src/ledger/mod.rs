@@ -5,7 +5,8 @@
 //! (and that the region's own fence, [`region_fence`], is open).
 //! [`payments`] and [`external`] are the writes phases make ([`writes`]
 //! sends those nothing reads together); [`partitions`] keeps the
-//! idempotency tables to what the retention allows.
+//! idempotency tables to what the retention allows, and a phase writes to
+//! the partitions of its request's span (`routes`).
 
 mod clients;
 mod error;
@@ -16,8 +17,11 @@ pub mod payments;
 mod phase;
 pub mod refunds;
 mod region_fence;
+mod routes;
 pub mod views;
 pub mod writes;
+
+use std::sync::Arc;
 
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -41,6 +45,8 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 #[derive(Clone, Debug)]
 pub struct Ledger {
     pool: PgPool,
+    /// The partitions phases write to, read from the catalog as needed.
+    routes: Arc<routes::Routes>,
 }
 
 /// What [`Ledger::migrate`] did.
@@ -53,7 +59,7 @@ pub struct MigrationReport {
 
 impl Ledger {
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self { pool, routes: Arc::default() }
     }
 
     /// Connects a pool to the configured database.

@@ -17,13 +17,14 @@
 //! commits nothing more.
 
 use std::collections::BTreeMap;
-use std::sync::LazyLock;
+use std::sync::Arc;
 
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Postgres, Row, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use super::external::{self, CallWrites};
+use super::routes::{Route, Routes};
 use super::writes::Writes;
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
@@ -48,6 +49,8 @@ pub struct RequestRecord {
 /// without [`Phase::commit`] rolls everything back.
 pub struct Phase {
     tx: Transaction<'static, Postgres>,
+    /// The tables the request's rows are in.
+    route: Arc<Route>,
     to: RecoveryPoint,
     /// Writes held until the phase's next other statement or its commit.
     writes: Writes,
@@ -70,18 +73,14 @@ impl Phase {
 
     /// Stores the request's final answer, in the phase that finishes it.
     pub fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) {
-        self.writes.push(
-            "UPDATE requests SET response_status = $4, response_headers = $5, response_body = $6
-              WHERE client_id = $1 AND idem_key = $2 AND created_at = $3",
-            |b| {
-                b.bind(request.key.client.as_uuid())
-                    .bind(request.key.key.as_str())
-                    .bind(timestamp(request.created_at))
-                    .bind(i32::from(answer.status))
-                    .bind(sqlx::types::Json(&answer.headers))
-                    .bind(&answer.body);
-            },
-        );
+        self.writes.push(&self.route.statements.answer, |b| {
+            b.bind(request.key.client.as_uuid())
+                .bind(request.key.key.as_str())
+                .bind(timestamp(request.created_at))
+                .bind(i32::from(answer.status))
+                .bind(sqlx::types::Json(&answer.headers))
+                .bind(&answer.body);
+        });
     }
 
     /// Commits the business writes and the new recovery point together.
@@ -108,16 +107,32 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
       WHERE r.fence <= EXCLUDED.fence
      RETURNING r.recovery_point";
 
-/// The first phase: insert the row at its first recovery point, or move a
-/// row adopted at `STARTED` ($10) there, record the points it passes
-/// ($11) and make its external-call writes ($12-$16). Like every phase it
-/// first reads the region fence, in the same statement. It returns a row
-/// only if the row moved, holding the number of verdicts it recorded.
-static FIRST_PHASE: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "WITH fence AS (SELECT failed FROM region_fence),
+/// A phase's statements, naming the tables its request's rows are in (the
+/// partitioned tables, or the partitions of the request's span:
+/// [`super::routes`]).
+pub(super) struct Statements {
+    /// The first phase: insert the row at its first recovery point, or
+    /// move a row adopted at `STARTED` ($10) there, record the points it
+    /// passes ($11) and make its external-call writes ($12-$16). Like every
+    /// phase it first reads the region fence, in the same statement. It
+    /// returns a row only if the row moved, holding the number of verdicts
+    /// it recorded.
+    first: String,
+    /// A later phase: move the row from $6 to $5 under fence $4, record the
+    /// points it passes ($7) and make its external-call writes ($8-$12),
+    /// reading the region fence in the same statement; it returns what
+    /// `first` does.
+    next: String,
+    /// Stores the final answer ($4-$6) on the request's row.
+    answer: String,
+}
+
+impl Statements {
+    pub(super) fn naming(requests: &str, phase_runs: &str, external_calls: &str) -> Self {
+        let first = format!(
+            "WITH fence AS (SELECT failed FROM region_fence),
      moved AS (
-        INSERT INTO requests AS r
+        INSERT INTO {requests} AS r
            (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
         ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
@@ -125,44 +140,43 @@ static FIRST_PHASE: LazyLock<String> = LazyLock::new(|| {
          WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $10
         RETURNING 1),
      passed AS (
-        INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
+        INSERT INTO {phase_runs} (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $7 FROM unnest($11::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
      {}
      SELECT (SELECT count(*) FROM verdict) FROM moved",
-        external::call_writes(7, 12)
-    )
-});
-
-/// A later phase: move the row from $6 to $5 under fence $4, record the
-/// points it passes ($7) and make its external-call writes ($8-$12),
-/// reading the region fence in the same statement; it returns what
-/// [`FIRST_PHASE`] does.
-static NEXT_PHASE: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "WITH fence AS (SELECT failed FROM region_fence),
+            external::call_writes(external_calls, 7, 12)
+        );
+        let next = format!(
+            "WITH fence AS (SELECT failed FROM region_fence),
      moved AS (
-        UPDATE requests SET fence = $4, recovery_point = $5, updated_at = now()
+        UPDATE {requests} SET fence = $4, recovery_point = $5, updated_at = now()
          WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
            AND fence <= $4 AND recovery_point = $6
            AND NOT EXISTS (SELECT 1 FROM fence WHERE failed)
         RETURNING 1),
      passed AS (
-        INSERT INTO phase_runs (client_id, idem_key, request_created_at, point, fence)
+        INSERT INTO {phase_runs} (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
      {}
      SELECT (SELECT count(*) FROM verdict) FROM moved",
-        external::call_writes(4, 8)
-    )
-});
+            external::call_writes(external_calls, 4, 8)
+        );
+        let answer = format!(
+            "UPDATE {requests} SET response_status = $4, response_headers = $5, response_body = $6
+              WHERE client_id = $1 AND idem_key = $2 AND created_at = $3"
+        );
+        Statements { first, next, answer }
+    }
+}
 
 /// `sql` (one of the inserts above) with the row's columns bound as $1-$9.
 fn insert_row<'q>(
-    sql: &'static str,
+    sql: &'q str,
     request: &'q RequestRecord,
     fence: Fence,
     point: &'q RecoveryPoint,
 ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(sql)
+    sqlx::query(AssertSqlSafe(sql))
         .bind(request.key.client.as_uuid())
         .bind(request.key.key.as_str())
         .bind(timestamp(request.created_at))
@@ -243,17 +257,37 @@ impl Ledger {
         calls: CallWrites<'_>,
     ) -> Result<Phase, LedgerError> {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
+        let opening = Opening { request, fence, from, to, passes, calls };
+        let route = self.routes.to(&self.pool, timestamp(request.created_at)).await?;
+        let tx = match self.open(&route, &opening).await {
+            // The span was dropped since it was read (its requests had all
+            // ended): the partitioned tables find where the rows are now.
+            Err(e) if route.suffix.is_some() && e.has_code("42P01") => {
+                self.routes.forget();
+                let route = Routes::partitioned();
+                self.open(&route, &opening).await.map(|tx| (tx, route))
+            }
+            opened => opened.map(|tx| (tx, route)),
+        };
+        let (tx, route) = tx?;
+        Ok(Phase { tx, route, to: to.clone(), writes: Writes::default(), _timer: timer })
+    }
+
+    /// Opens the transaction and runs the phase's opening statement through
+    /// `route`'s tables; an error if the request did not move.
+    async fn open(&self, route: &Route, o: &Opening<'_>) -> Result<Transaction<'static, Postgres>, LedgerError> {
+        let Opening { request, fence, from, to, passes, calls } = o;
         let passes: Vec<&str> = passes.iter().map(|p| p.as_str()).collect();
         let calls = calls.binds()?;
         let mut tx = self.pool.begin_with(super::region_fence::BEGIN_PHASE).await?;
-        let opening = if *from == RecoveryPoint::STARTED {
-            insert_row(FIRST_PHASE.as_str(), request, fence, to).bind(from.as_str())
+        let opening = if **from == RecoveryPoint::STARTED {
+            insert_row(&route.statements.first, request, *fence, to).bind(from.as_str())
         } else {
-            sqlx::query(NEXT_PHASE.as_str())
+            sqlx::query(AssertSqlSafe(route.statements.next.as_str()))
                 .bind(request.key.client.as_uuid())
                 .bind(request.key.key.as_str())
                 .bind(timestamp(request.created_at))
-                .bind(fence_param(fence))
+                .bind(fence_param(*fence))
                 .bind(to.as_str())
                 .bind(from.as_str())
         };
@@ -276,16 +310,26 @@ impl Ledger {
                     request.key
                 )));
             }
-            Some(_) => return Ok(Phase { tx, to: to.clone(), writes: Writes::default(), _timer: timer }),
+            Some(_) => return Ok(tx),
             None => {}
         }
         let fenced: Option<(bool, Option<String>)> =
             sqlx::query_as("SELECT failed, region FROM region_fence").fetch_optional(&mut *tx).await?;
         match fenced {
             Some((true, region)) => Err(LedgerError::RegionFailed(region.unwrap_or_default())),
-            _ => Err(refusal(&mut tx, request, fence, from).await?),
+            _ => Err(refusal(&mut tx, request, *fence, from).await?),
         }
     }
+}
+
+/// What a phase's opening statement is given.
+struct Opening<'a> {
+    request: &'a RequestRecord,
+    fence: Fence,
+    from: &'a RecoveryPoint,
+    to: &'a RecoveryPoint,
+    passes: &'a [&'a RecoveryPoint],
+    calls: CallWrites<'a>,
 }
 
 /// The answer columns of a request row, all null until it finishes.

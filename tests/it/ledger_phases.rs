@@ -538,3 +538,112 @@ async fn the_ledger_pool_has_the_size_it_is_given() {
     assert_eq!(ledger.pool().options().get_max_connections(), 3);
     assert_eq!(db.ledger.pool().options().get_max_connections(), 20, "20 unless told");
 }
+
+/// Spans of a day made for today and the next two, as `serve` makes them.
+async fn make_spans(ledger: &Ledger) {
+    use keyfence::ledger::partitions::Partitioning;
+    use std::time::Duration;
+    let day = Duration::from_secs(86_400);
+    let plan = Partitioning { span: day, ahead: 3, keep: day * 35 };
+    let report = ledger.maintain_partitions(&plan, Some(0)).await;
+    assert!(report.failed.is_empty() && report.created.len() >= 3, "{report:?}");
+}
+
+/// How many of the partitioned tables themselves (not their partitions)
+/// the session holds a lock on, and how many generic plans its prepared
+/// phase openings have been run with.
+async fn parent_locks_and_generic_plans(conn: &mut PgConnection) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid()
+                   AND relation IN ('requests'::regclass, 'phase_runs'::regclass, 'external_calls'::regclass)),
+                (SELECT coalesce(sum(generic_plans), 0)::bigint FROM pg_prepared_statements
+                  WHERE statement LIKE 'WITH fence AS%')",
+    )
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+/// A phase writes to the partitions of its request's span, not through the
+/// partitioned tables: PostgreSQL keeps one plan for its opening on each
+/// connection instead of planning it afresh on every call, and the phase
+/// holds no lock on the partitioned tables (which making a span takes).
+#[tokio::test]
+async fn a_phase_writes_to_its_spans_partitions_with_a_plan_kept_once_made() {
+    let db = TestLedger::new().await;
+    make_spans(&db.ledger).await;
+    let mut settings = db.settings.clone();
+    settings.pool_size = 1;
+    let ledger = Ledger::connect(&settings).await.unwrap();
+    for _ in 0..8 {
+        let req = request();
+        first_phase(&ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+        let next = ledger.begin_phase(&req, Fence::FIRST, &H1_DONE, &EXT1_SENT, &[&EXT1_SENT]).await.unwrap();
+        next.commit().await.unwrap();
+    }
+    let req = request();
+    let mut phase =
+        ledger.begin_phase(&req, Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
+    let (locks, generic) = parent_locks_and_generic_plans(phase.conn().await.unwrap()).await;
+    phase.commit().await.unwrap();
+    assert_eq!(locks, 0, "the phase locked a partitioned table");
+    assert!(generic >= 2, "both openings settled on a generic plan: {generic} run with one");
+    let today = format!("requests_{}", &suffix_of(&db.ledger, &req).await);
+    let (in_span,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {today}")))
+        .fetch_one(db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(in_span, 9, "every request is in today's span");
+}
+
+/// The suffix of the partition holding `req`'s row.
+async fn suffix_of(ledger: &Ledger, req: &RequestRecord) -> String {
+    sqlx::query_scalar(
+        "SELECT substr(tableoid::regclass::text, length('requests_') + 1) FROM requests
+          WHERE client_id = $1 AND idem_key = $2",
+    )
+    .bind(req.key.client.as_uuid())
+    .bind(req.key.key.as_str())
+    .fetch_one(ledger.pool())
+    .await
+    .unwrap()
+}
+
+/// A span dropped after an instance read the spans (by another instance,
+/// once every request in it ended) sends that instance's next phase in it
+/// through the partitioned tables, to the default partition, rather than
+/// failing it.
+#[tokio::test]
+async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
+    let db = TestLedger::new().await;
+    make_spans(&db.ledger).await;
+    let req = request();
+    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    let mut later = request();
+    later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
+    let tomorrow: String = sqlx::query_scalar(
+        "SELECT substr(relname, length('requests_') + 1) FROM (
+            SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) AS bound
+              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'requests'::regclass) p
+          WHERE (regexp_match(bound, $$FROM \\('([^']+)'\\)$$))[1]::timestamptz <= $1
+            AND $1 < (regexp_match(bound, $$TO \\('([^']+)'\\)$$))[1]::timestamptz",
+    )
+    .bind(keyfence::ledger::timestamp(later.created_at))
+    .fetch_one(db.ledger.pool())
+    .await
+    .unwrap();
+    for table in ["external_calls", "phase_runs", "requests"] {
+        let drop = format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(db.ledger.pool()).await.unwrap();
+    }
+    first_phase(&db.ledger, &later, Fence::FIRST)
+        .await
+        .expect("through the partitioned tables")
+        .commit()
+        .await
+        .unwrap();
+    let next = db.ledger.begin_phase(&later, Fence::FIRST, &H1_DONE, &EXT1_SENT, &[&EXT1_SENT]).await.unwrap();
+    next.commit().await.unwrap();
+    assert_eq!(suffix_of(&db.ledger, &later).await, "default");
+    assert_eq!(state(&db.ledger, &later).await, (1, "EXT1_SENT".into()));
+}

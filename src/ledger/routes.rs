@@ -1,0 +1,151 @@
+//! Where a request's rows are: the partitions of `requests`, `phase_runs`
+//! and `external_calls` whose span holds the request's `created_at` (the
+//! three share a suffix and bounds, [`super::partitions`]). A phase names
+//! those partitions rather than the partitioned tables: PostgreSQL plans a
+//! statement that names a partitioned table afresh on every call (a
+//! generic plan would lock every partition before pruning them), while
+//! one that names the partitions is planned once per connection and locks
+//! only what it names.
+//!
+//! The spans are read from the catalog when first needed, and again when
+//! a request falls in none of them (at most every [`RELOAD_EVERY`]) or a
+//! span read earlier is gone. A request no span holds (its rows are in the
+//! default partition, or the spans are not made yet) is written through
+//! the partitioned tables, which are right for every request. A span's
+//! bounds never change once it is made, and it is dropped only once every
+//! request in it ended, under locks on all its partitions: so a span read
+//! earlier is still right, or names a table that is gone, and a phase that
+//! finds it gone is opened again through the partitioned tables.
+
+use std::sync::{Arc, LazyLock, RwLock};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use super::phase::Statements;
+use super::{LedgerError, quote_ident};
+
+/// How often at most a request that no span holds reads the spans again.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(60);
+
+/// A span's partitions and the phase statements that name them.
+pub(super) struct Route {
+    /// The partitions' suffix; `None` for the partitioned tables.
+    pub suffix: Option<String>,
+    pub statements: Statements,
+}
+
+impl Route {
+    fn naming(suffix: Option<&str>) -> Self {
+        let table = |name: &str| match suffix {
+            Some(suffix) => quote_ident(&format!("{name}_{suffix}")),
+            None => name.to_owned(),
+        };
+        Route {
+            suffix: suffix.map(str::to_owned),
+            statements: Statements::naming(&table("requests"), &table("phase_runs"), &table("external_calls")),
+        }
+    }
+}
+
+/// Through the partitioned tables: right for every request.
+static PARTITIONED: LazyLock<Arc<Route>> = LazyLock::new(|| Arc::new(Route::naming(None)));
+
+/// The spans as last read, shared by every clone of a ledger handle.
+#[derive(Default)]
+pub(super) struct Routes {
+    read: RwLock<Read>,
+    /// Held while the spans are read, so a burst of misses reads them once.
+    reading: tokio::sync::Mutex<()>,
+}
+
+#[derive(Default)]
+struct Read {
+    spans: Vec<Span>,
+    at: Option<Instant>,
+}
+
+struct Span {
+    /// Inclusive; `None` for the history's (from the beginning).
+    from: Option<OffsetDateTime>,
+    /// Exclusive.
+    to: OffsetDateTime,
+    route: Arc<Route>,
+}
+
+impl Read {
+    fn find(&self, at: OffsetDateTime) -> Option<Arc<Route>> {
+        self.spans.iter().find(|s| s.from.is_none_or(|from| from <= at) && at < s.to).map(|s| s.route.clone())
+    }
+
+    fn fresh(&self) -> bool {
+        self.at.is_some_and(|at| at.elapsed() < RELOAD_EVERY)
+    }
+}
+
+impl std::fmt::Debug for Routes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let spans = self.read.read().map_or(0, |read| read.spans.len());
+        f.debug_struct("Routes").field("spans", &spans).finish()
+    }
+}
+
+impl Routes {
+    /// The route of a request created `at`.
+    pub async fn to(&self, pool: &PgPool, at: OffsetDateTime) -> Result<Arc<Route>, LedgerError> {
+        if let Some(route) = self.lookup(at, false) {
+            return Ok(route);
+        }
+        let _reading = self.reading.lock().await;
+        if let Some(route) = self.lookup(at, false) {
+            return Ok(route);
+        }
+        let spans = read_spans(pool).await?;
+        *self.read.write().unwrap_or_else(|e| e.into_inner()) = Read { spans, at: Some(Instant::now()) };
+        Ok(self.lookup(at, true).unwrap_or_else(|| PARTITIONED.clone()))
+    }
+
+    /// The partitioned tables' route, for a phase whose span was gone.
+    pub fn partitioned() -> Arc<Route> {
+        PARTITIONED.clone()
+    }
+
+    /// Forgets the spans read: one was found gone.
+    pub fn forget(&self) {
+        *self.read.write().unwrap_or_else(|e| e.into_inner()) = Read::default();
+    }
+
+    /// The span holding `at`; else the partitioned tables if the spans were
+    /// read recently (or `settled`), else nothing: they are to be read.
+    fn lookup(&self, at: OffsetDateTime, settled: bool) -> Option<Arc<Route>> {
+        let read = self.read.read().unwrap_or_else(|e| e.into_inner());
+        read.find(at).or_else(|| (settled || read.fresh()).then(|| PARTITIONED.clone()))
+    }
+}
+
+/// The spans whose three partitions are all there, with the same bounds,
+/// and found by their names (the phase's statements name them unqualified).
+async fn read_spans(pool: &PgPool) -> Result<Vec<Span>, LedgerError> {
+    let rows: Vec<(String, Option<OffsetDateTime>, Option<OffsetDateTime>)> = sqlx::query_as(
+        "SELECT s.suffix, (regexp_match(s.bound, $$FROM \\('([^']+)'\\)$$))[1]::timestamptz,
+                (regexp_match(s.bound, $$TO \\('([^']+)'\\)$$))[1]::timestamptz
+           FROM (SELECT substr(c.relname, length('requests_') + 1) AS suffix, pg_get_expr(c.relpartbound, c.oid) AS bound
+                   FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                  WHERE i.inhparent = 'requests'::regclass AND c.relname LIKE 'requests\\_%'
+                    AND to_regclass(quote_ident(c.relname)) = c.oid) s
+          WHERE (SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                  WHERE (i.inhparent, c.relname) IN (('phase_runs'::regclass, 'phase_runs_' || s.suffix),
+                                                     ('external_calls'::regclass, 'external_calls_' || s.suffix))
+                    AND to_regclass(quote_ident(c.relname)) = c.oid
+                    AND pg_get_expr(c.relpartbound, c.oid) = s.bound) = 2",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        // The default partition has no upper bound: its rows go through the
+        // partitioned tables.
+        .filter_map(|(suffix, from, to)| Some(Span { from, to: to?, route: Arc::new(Route::naming(Some(&suffix))) }))
+        .collect())
+}
