@@ -258,12 +258,17 @@ impl Ledger {
     ) -> Result<Phase, LedgerError> {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
         let opening = Opening { request, fence, from, to, passes, calls };
-        let route = self.routes.to(&self.pool, timestamp(request.created_at)).await?;
+        let route = self.routes.to(&self.pool, timestamp(request.created_at)).await;
         let tx = match self.open(&route, &opening).await {
             // The span was dropped since it was read (its requests had all
             // ended): the partitioned tables find where the rows are now.
-            Err(e) if route.suffix.is_some() && e.has_code("42P01") => {
-                self.routes.forget();
+            Err(e)
+                if route
+                    .suffix
+                    .as_deref()
+                    .is_some_and(|suffix| e.has_code("42P01") && e.to_string().contains(suffix)) =>
+            {
+                self.routes.forget().await;
                 let route = Routes::partitioned();
                 self.open(&route, &opening).await.map(|tx| (tx, route))
             }

@@ -5,7 +5,8 @@
 //! statement that names a partitioned table afresh on every call (a
 //! generic plan would lock every partition before pruning them), while
 //! one that names the partitions is planned once per connection and locks
-//! only what it names.
+//! what it names (and the partitioned table only while PostgreSQL reloads
+//! a partition's description, after an analyse, say).
 //!
 //! The spans are read from the catalog when first needed, and again when
 //! a request falls in none of them (at most every [`RELOAD_EVERY`]) or a
@@ -92,18 +93,27 @@ impl std::fmt::Debug for Routes {
 }
 
 impl Routes {
-    /// The route of a request created `at`.
-    pub async fn to(&self, pool: &PgPool, at: OffsetDateTime) -> Result<Arc<Route>, LedgerError> {
-        if let Some(route) = self.lookup(at, false) {
-            return Ok(route);
+    /// The route of a request created `at`. Spans that cannot be read are
+    /// not an error: the partitioned tables are right for every request,
+    /// and the spans are read again after [`RELOAD_EVERY`].
+    pub async fn to(&self, pool: &PgPool, at: OffsetDateTime) -> Arc<Route> {
+        if let Some(route) = self.lookup(at) {
+            return route;
         }
         let _reading = self.reading.lock().await;
-        if let Some(route) = self.lookup(at, false) {
-            return Ok(route);
+        if let Some(route) = self.lookup(at) {
+            return route;
         }
-        let spans = read_spans(pool).await?;
-        *self.read.write().unwrap_or_else(|e| e.into_inner()) = Read { spans, at: Some(Instant::now()) };
-        Ok(self.lookup(at, true).unwrap_or_else(|| PARTITIONED.clone()))
+        let spans = read_spans(pool).await;
+        let mut read = self.read.write().unwrap_or_else(|e| e.into_inner());
+        match spans {
+            Ok(spans) => read.spans = spans,
+            Err(e) => {
+                tracing::warn!(error = %e, "the ledger's spans could not be read; phases go through the partitioned tables")
+            }
+        }
+        read.at = Some(Instant::now());
+        read.find(at).unwrap_or_else(|| PARTITIONED.clone())
     }
 
     /// The partitioned tables' route, for a phase whose span was gone.
@@ -111,16 +121,18 @@ impl Routes {
         PARTITIONED.clone()
     }
 
-    /// Forgets the spans read: one was found gone.
-    pub fn forget(&self) {
+    /// Forgets the spans read: one was found gone. Waits for a read under
+    /// way, which may have listed it.
+    pub async fn forget(&self) {
+        let _reading = self.reading.lock().await;
         *self.read.write().unwrap_or_else(|e| e.into_inner()) = Read::default();
     }
 
     /// The span holding `at`; else the partitioned tables if the spans were
-    /// read recently (or `settled`), else nothing: they are to be read.
-    fn lookup(&self, at: OffsetDateTime, settled: bool) -> Option<Arc<Route>> {
+    /// read recently, else nothing: they are to be read.
+    fn lookup(&self, at: OffsetDateTime) -> Option<Arc<Route>> {
         let read = self.read.read().unwrap_or_else(|e| e.into_inner());
-        read.find(at).or_else(|| (settled || read.fresh()).then(|| PARTITIONED.clone()))
+        read.find(at).or_else(|| read.fresh().then(|| PARTITIONED.clone()))
     }
 }
 
