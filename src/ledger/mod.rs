@@ -17,7 +17,7 @@ pub mod payments;
 mod phase;
 pub mod refunds;
 mod region_fence;
-mod routes;
+pub mod routes;
 pub mod views;
 pub mod writes;
 

@@ -261,12 +261,12 @@ impl Ledger {
         let route = self.routes.to(&self.pool, timestamp(request.created_at)).await;
         let tx = match self.open(&route, &opening).await {
             // The span was dropped since it was read (its requests had all
-            // ended): the partitioned tables find where the rows are now.
+            // ended), or made again by hand without the request's time: the
+            // partitioned tables find where the rows are now.
             Err(e)
-                if route
-                    .suffix
-                    .as_deref()
-                    .is_some_and(|suffix| e.has_code("42P01") && e.to_string().contains(suffix)) =>
+                if route.suffix.as_deref().is_some_and(|suffix| {
+                    (e.has_code("42P01") || e.has_code("23514")) && e.to_string().contains(suffix)
+                }) =>
             {
                 self.routes.forget().await;
                 let route = Routes::partitioned();

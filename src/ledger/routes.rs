@@ -8,15 +8,20 @@
 //! what it names (and the partitioned table only while PostgreSQL reloads
 //! a partition's description, after an analyse, say).
 //!
-//! The spans are read from the catalog when first needed, and again when
-//! a request falls in none of them (at most every [`RELOAD_EVERY`]) or a
-//! span read earlier is gone. A request no span holds (its rows are in the
-//! default partition, or the spans are not made yet) is written through
-//! the partitioned tables, which are right for every request. A span's
-//! bounds never change once it is made, and it is dropped only once every
-//! request in it ended, under locks on all its partitions: so a span read
-//! earlier is still right, or names a table that is gone, and a phase that
-//! finds it gone is opened again through the partitioned tables.
+//! The spans are read from the catalog when first needed, again once what
+//! was read is [`RELOAD_EVERY`] old, and again when a span read earlier
+//! turns out gone or not to hold a request. A request no span holds (its
+//! rows are in the default partition, or the spans are not made yet) is
+//! written through the partitioned tables, which are right for every
+//! request. The housekeeper never changes a span's bounds once it is made,
+//! and drops a span only once every request in it ended, under locks on
+//! all its partitions: so a span read earlier is still right, or names a
+//! table that is gone, and a phase that finds it gone is opened again
+//! through the partitioned tables. A span changed by hand (detached, or
+//! made again with other bounds) is right again within [`RELOAD_EVERY`]:
+//! its name finds no table, or a first phase's row falls outside it, and
+//! the phase goes through the partitioned tables; or the next read no
+//! longer lists it.
 
 use std::sync::{Arc, LazyLock, RwLock};
 use std::time::{Duration, Instant};
@@ -27,8 +32,8 @@ use time::OffsetDateTime;
 use super::phase::Statements;
 use super::{LedgerError, quote_ident};
 
-/// How often at most a request that no span holds reads the spans again.
-pub const RELOAD_EVERY: Duration = Duration::from_secs(60);
+/// How old the spans read may get before they are read again.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(10);
 
 /// A span's partitions and the phase statements that name them.
 pub(super) struct Route {
@@ -95,7 +100,8 @@ impl std::fmt::Debug for Routes {
 impl Routes {
     /// The route of a request created `at`. Spans that cannot be read are
     /// not an error: the partitioned tables are right for every request,
-    /// and the spans are read again after [`RELOAD_EVERY`].
+    /// and take every request until the spans are read again, after
+    /// [`RELOAD_EVERY`].
     pub async fn to(&self, pool: &PgPool, at: OffsetDateTime) -> Arc<Route> {
         if let Some(route) = self.lookup(at) {
             return route;
@@ -106,12 +112,10 @@ impl Routes {
         }
         let spans = read_spans(pool).await;
         let mut read = self.read.write().unwrap_or_else(|e| e.into_inner());
-        match spans {
-            Ok(spans) => read.spans = spans,
-            Err(e) => {
-                tracing::warn!(error = %e, "the ledger's spans could not be read; phases go through the partitioned tables")
-            }
-        }
+        read.spans = spans.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the ledger's spans could not be read; phases go through the partitioned tables");
+            Vec::new()
+        });
         read.at = Some(Instant::now());
         read.find(at).unwrap_or_else(|| PARTITIONED.clone())
     }
@@ -128,16 +132,17 @@ impl Routes {
         *self.read.write().unwrap_or_else(|e| e.into_inner()) = Read::default();
     }
 
-    /// The span holding `at`; else the partitioned tables if the spans were
-    /// read recently, else nothing: they are to be read.
+    /// If the spans were read recently, the one holding `at`, or else the
+    /// partitioned tables; nothing if they are to be read.
     fn lookup(&self, at: OffsetDateTime) -> Option<Arc<Route>> {
         let read = self.read.read().unwrap_or_else(|e| e.into_inner());
-        read.find(at).or_else(|| read.fresh().then(|| PARTITIONED.clone()))
+        read.fresh().then(|| read.find(at).unwrap_or_else(|| PARTITIONED.clone()))
     }
 }
 
-/// The spans whose three partitions are all there, with the same bounds,
-/// and found by their names (the phase's statements name them unqualified).
+/// The spans whose three partitions are all there (none being detached),
+/// with the same bounds, and found by their names (the phase's statements
+/// name them unqualified).
 async fn read_spans(pool: &PgPool) -> Result<Vec<Span>, LedgerError> {
     let rows: Vec<(String, Option<OffsetDateTime>, Option<OffsetDateTime>)> = sqlx::query_as(
         "SELECT s.suffix, (regexp_match(s.bound, $$FROM \\('([^']+)'\\)$$))[1]::timestamptz,
@@ -145,11 +150,11 @@ async fn read_spans(pool: &PgPool) -> Result<Vec<Span>, LedgerError> {
            FROM (SELECT substr(c.relname, length('requests_') + 1) AS suffix, pg_get_expr(c.relpartbound, c.oid) AS bound
                    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
                   WHERE i.inhparent = 'requests'::regclass AND c.relname LIKE 'requests\\_%'
-                    AND to_regclass(quote_ident(c.relname)) = c.oid) s
+                    AND NOT i.inhdetachpending AND to_regclass(quote_ident(c.relname)) = c.oid) s
           WHERE (SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
                   WHERE (i.inhparent, c.relname) IN (('phase_runs'::regclass, 'phase_runs_' || s.suffix),
                                                      ('external_calls'::regclass, 'external_calls_' || s.suffix))
-                    AND to_regclass(quote_ident(c.relname)) = c.oid
+                    AND NOT i.inhdetachpending AND to_regclass(quote_ident(c.relname)) = c.oid
                     AND pg_get_expr(c.relpartbound, c.oid) = s.bound) = 2",
     )
     .fetch_all(pool)

@@ -609,6 +609,22 @@ async fn suffix_of(ledger: &Ledger, req: &RequestRecord) -> String {
     .unwrap()
 }
 
+/// The suffix and the lower bound (as PostgreSQL prints it) of the span
+/// holding `req`.
+async fn span_of(ledger: &Ledger, req: &RequestRecord) -> (String, String) {
+    sqlx::query_as(
+        "SELECT substr(relname, length('requests_') + 1), (regexp_match(bound, $$FROM \\('([^']+)'\\)$$))[1] FROM (
+            SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) AS bound
+              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'requests'::regclass) p
+          WHERE (regexp_match(bound, $$FROM \\('([^']+)'\\)$$))[1]::timestamptz <= $1
+            AND $1 < (regexp_match(bound, $$TO \\('([^']+)'\\)$$))[1]::timestamptz",
+    )
+    .bind(keyfence::ledger::timestamp(req.created_at))
+    .fetch_one(ledger.pool())
+    .await
+    .unwrap()
+}
+
 /// A span dropped after an instance read the spans (by another instance,
 /// once every request in it ended) sends that instance's next phase in it
 /// through the partitioned tables, to the default partition, rather than
@@ -621,17 +637,7 @@ async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
     first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
     let mut later = request();
     later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
-    let tomorrow: String = sqlx::query_scalar(
-        "SELECT substr(relname, length('requests_') + 1) FROM (
-            SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) AS bound
-              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'requests'::regclass) p
-          WHERE (regexp_match(bound, $$FROM \\('([^']+)'\\)$$))[1]::timestamptz <= $1
-            AND $1 < (regexp_match(bound, $$TO \\('([^']+)'\\)$$))[1]::timestamptz",
-    )
-    .bind(keyfence::ledger::timestamp(later.created_at))
-    .fetch_one(db.ledger.pool())
-    .await
-    .unwrap();
+    let (tomorrow, _) = span_of(&db.ledger, &later).await;
     for table in ["external_calls", "phase_runs", "requests"] {
         let drop = format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}");
         sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(db.ledger.pool()).await.unwrap();
@@ -646,4 +652,60 @@ async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
     next.commit().await.unwrap();
     assert_eq!(suffix_of(&db.ledger, &later).await, "default");
     assert_eq!(state(&db.ledger, &later).await, (1, "EXT1_SENT".into()));
+}
+
+/// A span made again by hand, under its name but without a request's time,
+/// after an instance read the spans: the request's first phase goes
+/// through the partitioned tables rather than failing on the partition's
+/// bounds.
+#[tokio::test]
+async fn a_phase_whose_span_was_made_again_without_its_time_goes_through_the_partitioned_tables() {
+    let db = TestLedger::new().await;
+    make_spans(&db.ledger).await;
+    let req = request();
+    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    let mut later = request();
+    later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
+    let (tomorrow, from) = span_of(&db.ledger, &later).await;
+    let until: String = sqlx::query_scalar("SELECT $1::timestamptz::text")
+        .bind(keyfence::ledger::timestamp(later.created_at))
+        .fetch_one(db.ledger.pool())
+        .await
+        .unwrap();
+    for table in ["external_calls", "phase_runs", "requests"] {
+        let again = format!(
+            "ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow};
+             CREATE TABLE {table}_{tomorrow} PARTITION OF {table} FOR VALUES FROM ('{from}') TO ('{until}')"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(again)).execute(db.ledger.pool()).await.unwrap();
+    }
+    first_phase(&db.ledger, &later, Fence::FIRST)
+        .await
+        .expect("through the partitioned tables")
+        .commit()
+        .await
+        .unwrap();
+    assert_eq!(suffix_of(&db.ledger, &later).await, "default");
+    assert_eq!(state(&db.ledger, &later).await, (1, "H1_DONE".into()));
+}
+
+/// A span detached by hand after an instance read the spans takes none of
+/// its phases' writes once the spans are read again.
+#[tokio::test]
+async fn a_span_detached_by_hand_is_named_by_no_phase_once_the_spans_are_read_again() {
+    let db = TestLedger::new().await;
+    make_spans(&db.ledger).await;
+    let req = request();
+    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    let mut later = request();
+    later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
+    let (tomorrow, _) = span_of(&db.ledger, &later).await;
+    for table in ["external_calls", "phase_runs", "requests"] {
+        let detach = format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(detach)).execute(db.ledger.pool()).await.unwrap();
+    }
+    tokio::time::sleep(keyfence::ledger::routes::RELOAD_EVERY + std::time::Duration::from_millis(100)).await;
+    first_phase(&db.ledger, &later, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    assert_eq!(suffix_of(&db.ledger, &later).await, "default", "the row is where the partitioned tables see it");
+    assert_eq!(state(&db.ledger, &later).await, (1, "H1_DONE".into()));
 }
