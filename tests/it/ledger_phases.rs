@@ -625,6 +625,27 @@ async fn span_of(ledger: &Ledger, req: &RequestRecord) -> (String, String) {
     .unwrap()
 }
 
+/// A request made a day after one whose first phase read the spans (the
+/// ledger's spans made first), with the suffix and lower bound of its span
+/// as read then.
+async fn a_request_in_a_span_read(ledger: &Ledger) -> (RequestRecord, String, String) {
+    make_spans(ledger).await;
+    let req = request();
+    first_phase(ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
+    let mut later = request();
+    later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
+    let (suffix, from) = span_of(ledger, &later).await;
+    (later, suffix, from)
+}
+
+/// Runs `sql(table)` by hand for each partitioned table, those whose
+/// partitions name `requests` first.
+async fn on_each_table(ledger: &Ledger, sql: impl Fn(&str) -> String) {
+    for table in ["external_calls", "phase_runs", "requests"] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql(table))).execute(ledger.pool()).await.unwrap();
+    }
+}
+
 /// A span dropped after an instance read the spans (by another instance,
 /// once every request in it ended) sends that instance's next phase in it
 /// through the partitioned tables, to the default partition, rather than
@@ -632,16 +653,11 @@ async fn span_of(ledger: &Ledger, req: &RequestRecord) -> (String, String) {
 #[tokio::test]
 async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
     let db = TestLedger::new().await;
-    make_spans(&db.ledger).await;
-    let req = request();
-    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
-    let mut later = request();
-    later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
-    let (tomorrow, _) = span_of(&db.ledger, &later).await;
-    for table in ["external_calls", "phase_runs", "requests"] {
-        let drop = format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(db.ledger.pool()).await.unwrap();
-    }
+    let (later, tomorrow, _) = a_request_in_a_span_read(&db.ledger).await;
+    on_each_table(&db.ledger, |table| {
+        format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}")
+    })
+    .await;
     first_phase(&db.ledger, &later, Fence::FIRST)
         .await
         .expect("through the partitioned tables")
@@ -661,24 +677,19 @@ async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
 #[tokio::test]
 async fn a_phase_whose_span_was_made_again_without_its_time_goes_through_the_partitioned_tables() {
     let db = TestLedger::new().await;
-    make_spans(&db.ledger).await;
-    let req = request();
-    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
-    let mut later = request();
-    later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
-    let (tomorrow, from) = span_of(&db.ledger, &later).await;
+    let (later, tomorrow, from) = a_request_in_a_span_read(&db.ledger).await;
     let until: String = sqlx::query_scalar("SELECT $1::timestamptz::text")
         .bind(keyfence::ledger::timestamp(later.created_at))
         .fetch_one(db.ledger.pool())
         .await
         .unwrap();
-    for table in ["external_calls", "phase_runs", "requests"] {
-        let again = format!(
+    on_each_table(&db.ledger, |table| {
+        format!(
             "ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow};
              CREATE TABLE {table}_{tomorrow} PARTITION OF {table} FOR VALUES FROM ('{from}') TO ('{until}')"
-        );
-        sqlx::raw_sql(sqlx::AssertSqlSafe(again)).execute(db.ledger.pool()).await.unwrap();
-    }
+        )
+    })
+    .await;
     first_phase(&db.ledger, &later, Fence::FIRST)
         .await
         .expect("through the partitioned tables")
@@ -694,16 +705,8 @@ async fn a_phase_whose_span_was_made_again_without_its_time_goes_through_the_par
 #[tokio::test]
 async fn a_span_detached_by_hand_is_named_by_no_phase_once_the_spans_are_read_again() {
     let db = TestLedger::new().await;
-    make_spans(&db.ledger).await;
-    let req = request();
-    first_phase(&db.ledger, &req, Fence::FIRST).await.unwrap().commit().await.unwrap();
-    let mut later = request();
-    later.created_at = req.created_at.plus(std::time::Duration::from_secs(86_400));
-    let (tomorrow, _) = span_of(&db.ledger, &later).await;
-    for table in ["external_calls", "phase_runs", "requests"] {
-        let detach = format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(detach)).execute(db.ledger.pool()).await.unwrap();
-    }
+    let (later, tomorrow, _) = a_request_in_a_span_read(&db.ledger).await;
+    on_each_table(&db.ledger, |table| format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}")).await;
     tokio::time::sleep(keyfence::ledger::routes::RELOAD_EVERY + std::time::Duration::from_millis(100)).await;
     first_phase(&db.ledger, &later, Fence::FIRST).await.unwrap().commit().await.unwrap();
     assert_eq!(suffix_of(&db.ledger, &later).await, "default", "the row is where the partitioned tables see it");
