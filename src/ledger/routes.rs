@@ -18,10 +18,11 @@
 //! all its partitions: so a span read earlier is still right, or names a
 //! table that is gone, and a phase that finds it gone is opened again
 //! through the partitioned tables. A span changed by hand (detached, or
-//! made again with other bounds) is right again within [`RELOAD_EVERY`]:
-//! its name finds no table, or a first phase's row falls outside it, and
-//! the phase goes through the partitioned tables; or the next read no
-//! longer lists it.
+//! made again with other bounds) is right again once the spans are read
+//! again, within [`RELOAD_EVERY`] and a read: until then a detached one
+//! still takes its phases' writes, and in one made again a first phase
+//! whose row falls outside it goes through the partitioned tables while a
+//! later phase finds no row and is refused.
 
 use std::sync::{Arc, LazyLock, RwLock};
 use std::time::{Duration, Instant};
@@ -62,7 +63,8 @@ static PARTITIONED: LazyLock<Arc<Route>> = LazyLock::new(|| Arc::new(Route::nami
 #[derive(Default)]
 pub(super) struct Routes {
     read: RwLock<Read>,
-    /// Held while the spans are read, so a burst of misses reads them once.
+    /// Held while the spans are read: one task reads them, and the others
+    /// go by those read before.
     reading: tokio::sync::Mutex<()>,
 }
 
@@ -98,24 +100,30 @@ impl std::fmt::Debug for Routes {
 }
 
 impl Routes {
-    /// The route of a request created `at`. Spans that cannot be read are
-    /// not an error: the partitioned tables are right for every request,
-    /// and take every request until the spans are read again, after
-    /// [`RELOAD_EVERY`].
+    /// The route of a request created `at`. Once the spans read are
+    /// [`RELOAD_EVERY`] old, one task reads them again while the others go
+    /// by those read before. Spans that cannot be read are not an error:
+    /// those read before serve until the next read (none at first, and the
+    /// partitioned tables are right for every request).
     pub async fn to(&self, pool: &PgPool, at: OffsetDateTime) -> Arc<Route> {
-        if let Some(route) = self.lookup(at) {
+        let (route, fresh) = self.lookup(at);
+        if fresh {
             return route;
         }
-        let _reading = self.reading.lock().await;
-        if let Some(route) = self.lookup(at) {
+        let Ok(_reading) = self.reading.try_lock() else {
+            return route;
+        };
+        if let (route, true) = self.lookup(at) {
             return route;
         }
         let spans = read_spans(pool).await;
         let mut read = self.read.write().unwrap_or_else(|e| e.into_inner());
-        read.spans = spans.unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "the ledger's spans could not be read; phases go through the partitioned tables");
-            Vec::new()
-        });
+        match spans {
+            Ok(spans) => read.spans = spans,
+            Err(e) => {
+                tracing::warn!(error = %e, "the ledger's spans could not be read; phases go by those read before")
+            }
+        }
         read.at = Some(Instant::now());
         read.find(at).unwrap_or_else(|| PARTITIONED.clone())
     }
@@ -132,22 +140,24 @@ impl Routes {
         *self.read.write().unwrap_or_else(|e| e.into_inner()) = Read::default();
     }
 
-    /// If the spans were read recently, the one holding `at`, or else the
-    /// partitioned tables; nothing if they are to be read.
-    fn lookup(&self, at: OffsetDateTime) -> Option<Arc<Route>> {
+    /// The span read holding `at`, or else the partitioned tables; and
+    /// whether the spans were read recently.
+    fn lookup(&self, at: OffsetDateTime) -> (Arc<Route>, bool) {
         let read = self.read.read().unwrap_or_else(|e| e.into_inner());
-        read.fresh().then(|| read.find(at).unwrap_or_else(|| PARTITIONED.clone()))
+        (read.find(at).unwrap_or_else(|| PARTITIONED.clone()), read.fresh())
     }
 }
 
 /// The spans whose three partitions are all there (none being detached),
 /// with the same bounds, and found by their names (the phase's statements
-/// name them unqualified).
+/// name them unqualified). Bounds are printed without their partition
+/// (`pg_get_expr(…, 0)`: they name no column), so the read takes no lock
+/// on any partition and waits for none.
 async fn read_spans(pool: &PgPool) -> Result<Vec<Span>, LedgerError> {
     let rows: Vec<(String, Option<OffsetDateTime>, Option<OffsetDateTime>)> = sqlx::query_as(
         "SELECT s.suffix, (regexp_match(s.bound, $$FROM \\('([^']+)'\\)$$))[1]::timestamptz,
                 (regexp_match(s.bound, $$TO \\('([^']+)'\\)$$))[1]::timestamptz
-           FROM (SELECT substr(c.relname, length('requests_') + 1) AS suffix, pg_get_expr(c.relpartbound, c.oid) AS bound
+           FROM (SELECT substr(c.relname, length('requests_') + 1) AS suffix, pg_get_expr(c.relpartbound, 0) AS bound
                    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
                   WHERE i.inhparent = 'requests'::regclass AND c.relname LIKE 'requests\\_%'
                     AND NOT i.inhdetachpending AND to_regclass(quote_ident(c.relname)) = c.oid) s
@@ -155,7 +165,7 @@ async fn read_spans(pool: &PgPool) -> Result<Vec<Span>, LedgerError> {
                   WHERE (i.inhparent, c.relname) IN (('phase_runs'::regclass, 'phase_runs_' || s.suffix),
                                                      ('external_calls'::regclass, 'external_calls_' || s.suffix))
                     AND NOT i.inhdetachpending AND to_regclass(quote_ident(c.relname)) = c.oid
-                    AND pg_get_expr(c.relpartbound, c.oid) = s.bound) = 2",
+                    AND pg_get_expr(c.relpartbound, 0) = s.bound) = 2",
     )
     .fetch_all(pool)
     .await?;

@@ -712,3 +712,21 @@ async fn a_span_detached_by_hand_is_named_by_no_phase_once_the_spans_are_read_ag
     assert_eq!(suffix_of(&db.ledger, &later).await, "default", "the row is where the partitioned tables see it");
     assert_eq!(state(&db.ledger, &later).await, (1, "H1_DONE".into()));
 }
+
+/// Reading the spans again waits for no lock on any partition: a phase in
+/// a span read goes on while another session holds the default partition
+/// (as making a span does, while it checks that partition's rows).
+#[tokio::test]
+async fn reading_the_spans_again_waits_for_no_partition_held_by_another_session() {
+    let db = TestLedger::new().await;
+    let (later, tomorrow, _) = a_request_in_a_span_read(&db.ledger).await;
+    let mut other = db.ledger.pool().begin().await.unwrap();
+    sqlx::query("LOCK TABLE requests_default IN ACCESS EXCLUSIVE MODE").execute(&mut *other).await.unwrap();
+    tokio::time::sleep(keyfence::ledger::routes::RELOAD_EVERY + std::time::Duration::from_millis(100)).await;
+    let phase = async { first_phase(&db.ledger, &later, Fence::FIRST).await.unwrap().commit().await.unwrap() };
+    tokio::time::timeout(std::time::Duration::from_secs(5), phase)
+        .await
+        .expect("the phase waited behind the lock on the default partition");
+    other.rollback().await.unwrap();
+    assert_eq!(suffix_of(&db.ledger, &later).await, tomorrow);
+}
