@@ -302,7 +302,7 @@ impl<K: KeyStore> Engine<K> {
                 Work::Local(_) | Work::Declined(_) => {}
             }
         }
-        let mut phase = self.ledger.begin_phase_with(&attempt.record, fence, &attempt.at, &to, &points, calls).await?;
+        let mut phase = self.ledger.begin_phase_held(&attempt.record, fence, &attempt.at, &to, &points, calls).await?;
         let mut stored = None;
         for item in work {
             let mut cx = StepContext { phase: &mut phase, request: &attempt.record, fence, settled: calls.verdict };

@@ -26,19 +26,19 @@ pub struct CallWrites<'a> {
 /// [`CallWrites`] as the opening statement binds them: arrays, empty when
 /// there is nothing to write.
 #[derive(Default)]
-pub(super) struct CallBinds<'a> {
-    pub intent_steps: Vec<&'a str>,
+pub(super) struct CallBinds {
+    pub intent_steps: Vec<String>,
     pub intent_keys: Vec<uuid::Uuid>,
-    pub verdict_steps: Vec<&'a str>,
+    pub verdict_steps: Vec<String>,
     pub verdict_outcomes: Vec<&'static str>,
     pub verdict_results: Vec<serde_json::Value>,
 }
 
-impl<'a> CallWrites<'a> {
-    pub(super) fn binds(&self) -> Result<CallBinds<'a>, LedgerError> {
+impl CallWrites<'_> {
+    pub(super) fn binds(&self) -> Result<CallBinds, LedgerError> {
         let mut binds = CallBinds::default();
         if let Some((step, key)) = self.intent {
-            binds.intent_steps.push(step);
+            binds.intent_steps.push(step.to_owned());
             binds.intent_keys.push(key);
         }
         if let Some((step, verdict)) = self.verdict {
@@ -47,7 +47,7 @@ impl<'a> CallWrites<'a> {
                 Verdict::Declined(declined) => ("declined", serde_json::to_value(declined)),
             };
             let result = result.map_err(|e| LedgerError::Corrupt(format!("a verdict that does not serialise: {e}")))?;
-            binds.verdict_steps.push(step);
+            binds.verdict_steps.push(step.to_owned());
             binds.verdict_outcomes.push(outcome);
             binds.verdict_results.push(result);
         }

@@ -15,17 +15,25 @@
 //! region fence, under the advisory lock the transaction took as it began
 //! ([`super::region_fence`]): a ledger whose region was declared failed
 //! commits nothing more.
+//!
+//! A phase may also be begun with its opening statement held
+//! ([`Ledger::begin_phase_held`]): the statement then goes with the phase's
+//! first held writes, as one, saving a round trip when nothing is read
+//! before them. Those writes run whether or not the row moves, and are
+//! taken back with the transaction when it does not; a write that fails
+//! instead (a newer owner's row in its way) takes the transaction with it,
+//! and the phase is opened again by its opening statement alone, which
+//! tells a refusal from a failing write, before its writes are sent again.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
-use super::external::{self, CallWrites};
+use super::external::{self, CallBinds, CallWrites};
 use super::routes::{Route, Routes};
-use super::writes::Writes;
+use super::writes::{Binds, Writes};
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{Fence, Millis, RecoveryPoint, RequestHash, ScopedKey, StoredResponse};
 use crate::metrics::Timer;
@@ -45,25 +53,35 @@ pub struct RequestRecord {
     pub request: Vec<u8>,
 }
 
-/// An open phase transaction whose fence has been checked. Dropping it
-/// without [`Phase::commit`] rolls everything back.
+/// An open phase transaction whose fence has been checked, or is checked
+/// by its first statement. Dropping it without [`Phase::commit`] rolls
+/// everything back, and so does any statement of it that fails.
 pub struct Phase {
-    tx: Transaction<'static, Postgres>,
+    /// `None` once a statement failed: the phase is over, and commits nothing.
+    tx: Option<Transaction<'static, Postgres>>,
     /// The tables the request's rows are in.
     route: Arc<Route>,
+    /// The opening statement, while it waits to go with the first writes.
+    opening: Option<Opening>,
+    /// Where the phase is opened again if its first statement fails.
+    ledger: Ledger,
     to: RecoveryPoint,
     /// Writes held until the phase's next other statement or its commit.
     writes: Writes,
+    /// The final answer, when stored while the opening waits: it writes the
+    /// request's row, which the opening moves, and one statement must not
+    /// write a row twice.
+    answer: Writes,
     /// Times the phase from its first statement to its commit (or rollback).
     _timer: Timer,
 }
 
 impl Phase {
     /// The transaction, for the phase's business statements, with every
-    /// held write sent first.
+    /// held statement sent first.
     pub async fn conn(&mut self) -> Result<&mut PgConnection, LedgerError> {
-        self.writes.send(&mut self.tx).await?;
-        Ok(&mut self.tx)
+        let tx = self.flush().await?;
+        Ok(&mut **tx)
     }
 
     /// Writes whose results the phase does not read, sent together later.
@@ -73,7 +91,8 @@ impl Phase {
 
     /// Stores the request's final answer, in the phase that finishes it.
     pub fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) {
-        self.writes.push(&self.route.statements.answer, |b| {
+        let writes = if self.opening.is_some() { &mut self.answer } else { &mut self.writes };
+        writes.push(&self.route.statements.answer, |b| {
             b.bind(request.key.client.as_uuid())
                 .bind(request.key.key.as_str())
                 .bind(timestamp(request.created_at))
@@ -85,10 +104,52 @@ impl Phase {
 
     /// Commits the business writes and the new recovery point together.
     pub async fn commit(mut self) -> Result<RecoveryPoint, LedgerError> {
-        self.writes.send(&mut self.tx).await?;
-        self.tx.commit().await?;
+        self.flush().await?;
+        self.tx.take().ok_or_else(over)?.commit().await?;
         Ok(self.to)
     }
+
+    /// Sends what the phase holds; any failure ends the phase.
+    async fn flush(&mut self) -> Result<&mut Transaction<'static, Postgres>, LedgerError> {
+        if let Err(e) = self.send_held().await {
+            self.tx = None;
+            return Err(e);
+        }
+        self.tx.as_mut().ok_or_else(over)
+    }
+
+    /// The opening statement, if it waits, with the writes held so far as
+    /// one statement; then whatever else is held.
+    async fn send_held(&mut self) -> Result<(), LedgerError> {
+        if let Some(opening) = self.opening.take() {
+            let held = std::mem::take(&mut self.writes);
+            let tx = self.tx.as_mut().ok_or_else(over)?;
+            let ctes = opening.ctes(&self.route);
+            match held.clone().send_with(tx, ctes, OPENED, |b| opening.bind(b)).await {
+                Ok(moved) => opening.settle(tx, moved).await?,
+                // Nothing of the phase stands: open it again by its opening
+                // alone, which names a refusal or a span gone as such.
+                Err(_) => {
+                    if let Some(tx) = self.tx.take() {
+                        // A connection that cannot roll back is closed, which rolls back too.
+                        let _ = tx.rollback().await;
+                    }
+                    let (tx, route) = self.ledger.open_anew(&opening).await?;
+                    self.route = route;
+                    let mut held = held;
+                    held.send(self.tx.insert(tx)).await?;
+                }
+            }
+        }
+        let tx = self.tx.as_mut().ok_or_else(over)?;
+        self.writes.send(tx).await?;
+        self.answer.send(tx).await
+    }
+}
+
+/// What a phase whose statement failed answers from then on.
+fn over() -> LedgerError {
+    LedgerError::Database(sqlx::Error::Protocol("the phase ended when a statement of it failed".into()))
 }
 
 /// Adoption: insert the row, or raise its fence (strictly, for a takeover).
@@ -107,21 +168,25 @@ const ADOPT_AT_LEAST: &str = "INSERT INTO requests AS r
       WHERE r.fence <= EXCLUDED.fence
      RETURNING r.recovery_point";
 
+/// What a phase's opening statement returns, after its common table
+/// expressions: a row only if the request's row moved, holding the number
+/// of verdicts it recorded.
+const OPENED: &str = "SELECT (SELECT count(*) FROM verdict) FROM moved";
+
 /// A phase's statements, naming the tables its request's rows are in (the
 /// partitioned tables, or the partitions of the request's span:
 /// [`super::routes`]).
 pub(super) struct Statements {
-    /// The first phase: insert the row at its first recovery point, or
-    /// move a row adopted at `STARTED` ($10) there, record the points it
-    /// passes ($11) and make its external-call writes ($12-$16). Like every
-    /// phase it first reads the region fence, in the same statement. It
-    /// returns a row only if the row moved, holding the number of verdicts
-    /// it recorded.
+    /// The first phase's opening, as common table expressions before
+    /// [`OPENED`]: insert the row at its first recovery point, or move a
+    /// row adopted at `STARTED` ($10) there, record the points it passes
+    /// ($11) and make its external-call writes ($12-$16). Like every phase
+    /// it first reads the region fence, in the same statement.
     first: String,
-    /// A later phase: move the row from $6 to $5 under fence $4, record the
-    /// points it passes ($7) and make its external-call writes ($8-$12),
-    /// reading the region fence in the same statement; it returns what
-    /// `first` does.
+    /// A later phase's opening, likewise: move the row from $6 to $5 under
+    /// fence $4, record the points it passes ($7) and make its
+    /// external-call writes ($8-$12), reading the region fence in the same
+    /// statement.
     next: String,
     /// Stores the final answer ($4-$6) on the request's row.
     answer: String,
@@ -130,7 +195,7 @@ pub(super) struct Statements {
 impl Statements {
     pub(super) fn naming(requests: &str, phase_runs: &str, external_calls: &str) -> Self {
         let first = format!(
-            "WITH fence AS (SELECT failed FROM region_fence),
+            "fence AS (SELECT failed FROM region_fence),
      moved AS (
         INSERT INTO {requests} AS r
            (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
@@ -142,12 +207,11 @@ impl Statements {
      passed AS (
         INSERT INTO {phase_runs} (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $7 FROM unnest($11::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
-     {}
-     SELECT (SELECT count(*) FROM verdict) FROM moved",
+     {}",
             external::call_writes(external_calls, 7, 12)
         );
         let next = format!(
-            "WITH fence AS (SELECT failed FROM region_fence),
+            "fence AS (SELECT failed FROM region_fence),
      moved AS (
         UPDATE {requests} SET fence = $4, recovery_point = $5, updated_at = now()
          WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
@@ -157,8 +221,7 @@ impl Statements {
      passed AS (
         INSERT INTO {phase_runs} (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
-     {}
-     SELECT (SELECT count(*) FROM verdict) FROM moved",
+     {}",
             external::call_writes(external_calls, 4, 8)
         );
         let answer = format!(
@@ -257,9 +320,57 @@ impl Ledger {
         calls: CallWrites<'_>,
     ) -> Result<Phase, LedgerError> {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
-        let opening = Opening { request, fence, from, to, passes, calls };
+        let opening = Opening::new(request, fence, from, to, passes, calls)?;
+        let (tx, route) = self.open_anew(&opening).await?;
+        Ok(self.phase(tx, route, to, None, timer))
+    }
+
+    /// [`Ledger::begin_phase_with`], but with the opening statement held,
+    /// to go with the phase's first held writes as one statement: before
+    /// its first statement that reads, or at its commit. Its refusals come
+    /// from there.
+    #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "begin_phase", key = %request.key, fence = %fence, to = %to))]
+    pub async fn begin_phase_held(
+        &self,
+        request: &RequestRecord,
+        fence: Fence,
+        from: &RecoveryPoint,
+        to: &RecoveryPoint,
+        passes: &[&RecoveryPoint],
+        calls: CallWrites<'_>,
+    ) -> Result<Phase, LedgerError> {
+        let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
+        let opening = Opening::new(request, fence, from, to, passes, calls)?;
         let route = self.routes.to(&self.pool, timestamp(request.created_at)).await;
-        let tx = match self.open(&route, &opening).await {
+        let tx = self.pool.begin_with(super::region_fence::BEGIN_PHASE).await?;
+        Ok(self.phase(tx, route, to, Some(opening), timer))
+    }
+
+    fn phase(
+        &self,
+        tx: Transaction<'static, Postgres>,
+        route: Arc<Route>,
+        to: &RecoveryPoint,
+        opening: Option<Opening>,
+        timer: Timer,
+    ) -> Phase {
+        Phase {
+            tx: Some(tx),
+            route,
+            to: to.clone(),
+            opening,
+            ledger: self.clone(),
+            writes: Writes::default(),
+            answer: Writes::default(),
+            _timer: timer,
+        }
+    }
+
+    /// Opens the phase's transaction with its opening statement alone,
+    /// through the tables of the request's span as last read.
+    async fn open_anew(&self, opening: &Opening) -> Result<(Transaction<'static, Postgres>, Arc<Route>), LedgerError> {
+        let route = self.routes.to(&self.pool, timestamp(opening.request.created_at)).await;
+        match self.open(&route, opening).await {
             // The span was dropped since it was read (its requests had all
             // ended), or made again by hand without the request's time: the
             // partitioned tables find where the rows are now.
@@ -270,71 +381,101 @@ impl Ledger {
             {
                 self.routes.forget().await;
                 let route = Routes::partitioned();
-                self.open(&route, &opening).await.map(|tx| (tx, route))
+                self.open(&route, opening).await.map(|tx| (tx, route))
             }
             opened => opened.map(|tx| (tx, route)),
-        };
-        let (tx, route) = tx?;
-        Ok(Phase { tx, route, to: to.clone(), writes: Writes::default(), _timer: timer })
+        }
     }
 
     /// Opens the transaction and runs the phase's opening statement through
     /// `route`'s tables; an error if the request did not move.
-    async fn open(&self, route: &Route, o: &Opening<'_>) -> Result<Transaction<'static, Postgres>, LedgerError> {
-        let Opening { request, fence, from, to, passes, calls } = o;
-        let passes: Vec<&str> = passes.iter().map(|p| p.as_str()).collect();
-        let calls = calls.binds()?;
+    async fn open(&self, route: &Route, opening: &Opening) -> Result<Transaction<'static, Postgres>, LedgerError> {
         let mut tx = self.pool.begin_with(super::region_fence::BEGIN_PHASE).await?;
-        let opening = if **from == RecoveryPoint::STARTED {
-            insert_row(&route.statements.first, request, *fence, to).bind(from.as_str())
-        } else {
-            sqlx::query(AssertSqlSafe(route.statements.next.as_str()))
-                .bind(request.key.client.as_uuid())
-                .bind(request.key.key.as_str())
-                .bind(timestamp(request.created_at))
-                .bind(fence_param(*fence))
-                .bind(to.as_str())
-                .bind(from.as_str())
-        };
-        let verdicts = calls.verdict_steps.len();
-        let moved: Option<i64> = opening
-            .bind(passes)
-            .bind(calls.intent_steps)
-            .bind(calls.intent_keys)
-            .bind(calls.verdict_steps)
-            .bind(calls.verdict_outcomes)
-            .bind(calls.verdict_results)
-            .try_map(|row: PgRow| row.try_get(0))
-            .fetch_optional(&mut *tx)
-            .await?;
-        match moved {
-            // Dropping the transaction takes the move back with it.
-            Some(settled) if settled != verdicts as i64 => {
-                return Err(LedgerError::Corrupt(format!(
-                    "{}: a verdict for a call that has no intent recorded",
-                    request.key
-                )));
-            }
-            Some(_) => return Ok(tx),
-            None => {}
-        }
-        let fenced: Option<(bool, Option<String>)> =
-            sqlx::query_as("SELECT failed, region FROM region_fence").fetch_optional(&mut *tx).await?;
-        match fenced {
-            Some((true, region)) => Err(LedgerError::RegionFailed(region.unwrap_or_default())),
-            _ => Err(refusal(&mut tx, request, *fence, from).await?),
-        }
+        let moved = Writes::default().send_with(&mut tx, opening.ctes(route), OPENED, |b| opening.bind(b)).await?;
+        opening.settle(&mut tx, moved).await?;
+        Ok(tx)
     }
 }
 
-/// What a phase's opening statement is given.
-struct Opening<'a> {
-    request: &'a RequestRecord,
+/// What a phase's opening statement is given, its own to keep while the
+/// statement waits for the phase's first writes.
+struct Opening {
+    request: RequestRecord,
     fence: Fence,
-    from: &'a RecoveryPoint,
-    to: &'a RecoveryPoint,
-    passes: &'a [&'a RecoveryPoint],
-    calls: CallWrites<'a>,
+    from: RecoveryPoint,
+    to: RecoveryPoint,
+    passes: Vec<String>,
+    calls: CallBinds,
+}
+
+impl Opening {
+    fn new(
+        request: &RequestRecord,
+        fence: Fence,
+        from: &RecoveryPoint,
+        to: &RecoveryPoint,
+        passes: &[&RecoveryPoint],
+        calls: CallWrites<'_>,
+    ) -> Result<Self, LedgerError> {
+        Ok(Opening {
+            request: request.clone(),
+            fence,
+            from: from.clone(),
+            to: to.clone(),
+            passes: passes.iter().map(|p| p.as_str().to_owned()).collect(),
+            calls: calls.binds()?,
+        })
+    }
+
+    /// Its common table expressions, through `route`'s tables.
+    fn ctes<'r>(&self, route: &'r Route) -> &'r str {
+        if self.from == RecoveryPoint::STARTED { &route.statements.first } else { &route.statements.next }
+    }
+
+    /// Binds its placeholders, in order.
+    fn bind(&self, b: &mut Binds<'_>) {
+        let (request, fence) = (&self.request, fence_param(self.fence));
+        b.bind(request.key.client.as_uuid()).bind(request.key.key.as_str()).bind(timestamp(request.created_at));
+        if self.from == RecoveryPoint::STARTED {
+            b.bind(&request.operation)
+                .bind(request.request_hash.as_str())
+                .bind(request.payment_id)
+                .bind(fence)
+                .bind(self.to.as_str())
+                .bind(&request.request)
+                .bind(self.from.as_str());
+        } else {
+            b.bind(fence).bind(self.to.as_str()).bind(self.from.as_str());
+        }
+        let calls = &self.calls;
+        b.bind(&self.passes)
+            .bind(&calls.intent_steps)
+            .bind(&calls.intent_keys)
+            .bind(&calls.verdict_steps)
+            .bind(&calls.verdict_outcomes)
+            .bind(&calls.verdict_results);
+    }
+
+    /// What the statement's answer says: nothing if the row `moved`, else
+    /// why not (read in the same transaction).
+    async fn settle(&self, conn: &mut PgConnection, moved: Option<i64>) -> Result<(), LedgerError> {
+        match moved {
+            // Dropping the transaction takes the move back with it.
+            Some(settled) if settled != self.calls.verdict_steps.len() as i64 => Err(LedgerError::Corrupt(format!(
+                "{}: a verdict for a call that has no intent recorded",
+                self.request.key
+            ))),
+            Some(_) => Ok(()),
+            None => {
+                let fenced: Option<(bool, Option<String>)> =
+                    sqlx::query_as("SELECT failed, region FROM region_fence").fetch_optional(&mut *conn).await?;
+                match fenced {
+                    Some((true, region)) => Err(LedgerError::RegionFailed(region.unwrap_or_default())),
+                    _ => Err(refusal(conn, &self.request, self.fence, &self.from).await?),
+                }
+            }
+        }
+    }
 }
 
 /// The answer columns of a request row, all null until it finishes.

@@ -2,21 +2,22 @@
 //! insert, an update without `RETURNING`), held back and then sent as one
 //! statement, each a data-modifying common table expression of it. A phase
 //! sends what it holds before its next statement of any other kind and
-//! before its commit, so every statement sees the writes held before it;
-//! only the round trips are fewer. Within one batch there is no order:
+//! before its commit (with its opening statement, when that is held too:
+//! [`Writes::send_with`]), so every statement sees the writes held before
+//! it; only the round trips are fewer. Within one batch there is no order:
 //! PostgreSQL runs the writes in an order of its own (in practice the last
 //! first), and they do not see each other's rows (they share a snapshot).
 //! So a batch never holds a write that needs another of its writes done
 //! first, never two writes of one row, and nothing may read meaning into
 //! the order of the ids its inserts draw.
 
-use sqlx::postgres::PgArguments;
-use sqlx::{Arguments, Encode, PgConnection, Postgres, Type};
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::{Arguments, Encode, PgConnection, Postgres, Row, Type};
 
 use super::LedgerError;
 
 /// Writes waiting to be sent, with their arguments bound in order.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Writes {
     /// Each statement, its placeholders numbered after those before it.
     statements: Vec<String>,
@@ -76,6 +77,39 @@ impl Writes {
         };
         sqlx::query_with(sqlx::AssertSqlSafe(sql), args).execute(conn).await?;
         Ok(())
+    }
+
+    /// Sends what is held with a statement of the caller's, as one: its
+    /// common table expressions `ctes` (placeholders from `$1`, bound by
+    /// `bind`), then `query`, which reads them. The held writes go as more
+    /// expressions of the same statement, so what holds for a batch holds
+    /// for them and `ctes` alike: no order, one snapshot, no row written
+    /// twice. Returns the first column of the row `query` returns, if it
+    /// returns one.
+    pub async fn send_with(
+        self,
+        conn: &mut PgConnection,
+        ctes: &str,
+        query: &str,
+        bind: impl FnOnce(&mut Binds<'_>),
+    ) -> Result<Option<i64>, LedgerError> {
+        let Writes { statements, mut args, mut broken } = self;
+        let first = args.len();
+        let (ctes, placeholders) = renumber(ctes, first);
+        bind(&mut Binds { args: &mut args, broken: &mut broken });
+        let bound = args.len() - first;
+        if bound != placeholders && broken.is_none() {
+            broken = Some(format!("{bound} argument(s) bound for {placeholders} placeholder(s) with the held writes"));
+        }
+        if let Some(why) = broken {
+            return Err(LedgerError::Database(sqlx::Error::Encode(format!("a held write: {why}").into())));
+        }
+        let held: String = statements.iter().enumerate().map(|(i, s)| format!("w{i} AS ({s}), ")).collect();
+        let sql = format!("WITH {held}{ctes}\n     {query}");
+        Ok(sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
+            .try_map(|row: PgRow| row.try_get(0))
+            .fetch_optional(conn)
+            .await?)
     }
 }
 

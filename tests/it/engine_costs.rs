@@ -196,7 +196,7 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
     };
     assert!(matches!(&first, Answer::Final { replayed: false, .. }), "{first:?}");
     assert_eq!(engine.keys().take(), BTreeMap::from([("claim", 1), ("finish", 1)]));
-    assert_eq!(statements.0.load(Ordering::Relaxed), 10, "PostgreSQL statements for the whole payment");
+    assert_eq!(statements.0.load(Ordering::Relaxed), 8, "PostgreSQL statements for the whole payment");
 
     // Another instance replays with one claim whose failure carries the answer...
     let replay = other.submit(submit("cost-1")).await.unwrap();

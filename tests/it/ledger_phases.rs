@@ -96,6 +96,28 @@ async fn first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Resu
     Ok(phase)
 }
 
+/// The first phase with its opening statement held: the payment and its
+/// hold are held writes, sent with the opening as one statement.
+async fn held_first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Result<Phase, LedgerError> {
+    let from = RecoveryPoint::STARTED;
+    let mut phase = ledger.begin_phase_held(req, fence, &from, &H1_DONE, &[&H1_DONE], CallWrites::default()).await?;
+    phase.writes().push(
+        "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
+                               debtor_account, creditor_account, end_to_end_id, status, fence)
+         VALUES ($1, $2, $3, $4, 1250, 'EUR', 'DE01', 'FR02', 'E2E-1', 'pending', $5)",
+        |b| {
+            b.bind(req.payment_id)
+                .bind(req.key.client.as_uuid())
+                .bind(req.key.key.as_str())
+                .bind(keyfence::ledger::timestamp(req.created_at))
+                .bind(fence.get() as i64);
+        },
+    );
+    let legs = [Leg { account: "DE01", amount_minor: -1250 }, Leg { account: "DE01:held", amount_minor: 1250 }];
+    payments::post(phase.writes(), req.payment_id, "hold", "EUR", &legs, fence);
+    Ok(phase)
+}
+
 #[tokio::test]
 async fn a_phase_under_an_older_fence_is_refused_and_writes_nothing() {
     let db = TestLedger::new().await;
@@ -227,6 +249,70 @@ async fn held_writes_go_in_order_before_the_phases_next_statement_and_fail_its_c
     assert!(phase.commit().await.is_err(), "an unbalanced held entry committed");
     let left: i64 = sqlx::query_scalar(postings).bind(other.payment_id).fetch_one(db.ledger.pool()).await.unwrap();
     assert_eq!(left, 0, "nothing of the phase committed");
+}
+
+/// A phase whose opening statement goes with its held writes commits both
+/// at once, and is refused as any phase is, even where a held write runs
+/// into the row of the owner that fenced it out (the statement then fails
+/// on the write, and the phase's refusal is told by its opening alone).
+#[tokio::test]
+async fn a_held_phase_commits_its_writes_with_its_move_and_is_refused_as_any_phase_is() {
+    let db = TestLedger::new().await;
+    let req = request();
+    let t = Fence::new(2);
+    assert_eq!(held_first_phase(&db.ledger, &req, t).await.unwrap().commit().await.unwrap(), H1_DONE);
+    assert_eq!(state(&db.ledger, &req).await, (2, "H1_DONE".into()));
+    let before = counts(&db.ledger).await;
+    assert_eq!(before, (1, 1, 2), "the request, its payment and the hold's two legs");
+    assert_eq!(points(&db.ledger).await, ["H1_DONE"]);
+
+    // The same first phase under an older fence: its payment's insert
+    // collides with the one committed, its opening finds a newer fence.
+    let stale = Fence::new(1);
+    match held_first_phase(&db.ledger, &req, stale).await.unwrap().commit().await {
+        Err(LedgerError::FencedOut { mine, current }) => assert_eq!((mine, current), (stale, t)),
+        other => panic!("expected fenced out, got {:?}", other.map_err(|e| e.to_string())),
+    }
+    // ...and again under the current one: it already ran.
+    match held_first_phase(&db.ledger, &req, t).await.unwrap().commit().await {
+        Err(LedgerError::OutOfOrder { expected, found }) => {
+            assert_eq!((expected, found), (RecoveryPoint::STARTED, Some(H1_DONE)));
+        }
+        other => panic!("expected out of order, got {:?}", other.map_err(|e| e.to_string())),
+    }
+    // A later phase under the older fence, whose held entry collides with
+    // nothing: its statement runs, finds no row to move, and its entry
+    // goes back with the transaction.
+    let legs = [Leg { account: "DE01:held", amount_minor: -1250 }, Leg { account: "FR02", amount_minor: 1250 }];
+    let calls = CallWrites::default();
+    let mut late = db.ledger.begin_phase_held(&req, stale, &H1_DONE, &EXT1_SENT, &[&EXT1_SENT], calls).await.unwrap();
+    payments::post(late.writes(), req.payment_id, "transfer", "EUR", &legs, stale);
+    match late.commit().await {
+        Err(LedgerError::FencedOut { mine, current }) => assert_eq!((mine, current), (stale, t)),
+        other => panic!("expected fenced out, got {:?}", other.map_err(|e| e.to_string())),
+    }
+    assert_eq!(counts(&db.ledger).await, before, "a refused held phase left a write behind");
+    assert_eq!(state(&db.ledger, &req).await, (2, "H1_DONE".into()));
+    assert_eq!(points(&db.ledger).await, ["H1_DONE"], "a refused held phase recorded a point");
+
+    // The current owner's: a statement of the phase that reads sends the
+    // opening and the entry first, and sees both.
+    let mut next = db.ledger.begin_phase_held(&req, t, &H1_DONE, &EXT1_SENT, &[&EXT1_SENT], calls).await.unwrap();
+    payments::post(next.writes(), req.payment_id, "transfer", "EUR", &legs, t);
+    let seen: (String, i64) = sqlx::query_as(
+        "SELECT (SELECT recovery_point FROM requests WHERE client_id = $1 AND idem_key = $2),
+                (SELECT count(*) FROM postings WHERE payment_id = $3)",
+    )
+    .bind(req.key.client.as_uuid())
+    .bind(req.key.key.as_str())
+    .bind(req.payment_id)
+    .fetch_one(next.conn().await.unwrap())
+    .await
+    .unwrap();
+    assert_eq!(seen, ("EXT1_SENT".into(), 4));
+    assert_eq!(next.commit().await.unwrap(), EXT1_SENT);
+    assert_eq!(counts(&db.ledger).await, (1, 1, 4));
+    assert_eq!(points(&db.ledger).await, ["EXT1_SENT", "H1_DONE"]);
 }
 
 #[tokio::test]
@@ -668,6 +754,29 @@ async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
     next.commit().await.unwrap();
     assert_eq!(suffix_of(&db.ledger, &later).await, "default");
     assert_eq!(state(&db.ledger, &later).await, (1, "EXT1_SENT".into()));
+}
+
+/// The same with the first phase's opening held: the statement that sends
+/// it with the phase's writes fails on the table gone, and the phase is
+/// opened again through the partitioned tables, its writes with it.
+#[tokio::test]
+async fn a_held_phase_whose_span_is_gone_goes_through_the_partitioned_tables_with_its_writes() {
+    let db = TestLedger::new().await;
+    let (later, tomorrow, _) = a_request_in_a_span_read(&db.ledger).await;
+    on_each_table(&db.ledger, |table| {
+        format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}")
+    })
+    .await;
+    let phase = held_first_phase(&db.ledger, &later, Fence::FIRST).await.unwrap();
+    assert_eq!(phase.commit().await.expect("through the partitioned tables"), H1_DONE);
+    assert_eq!(suffix_of(&db.ledger, &later).await, "default");
+    assert_eq!(state(&db.ledger, &later).await, (1, "H1_DONE".into()));
+    let postings: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE payment_id = $1")
+        .bind(later.payment_id)
+        .fetch_one(db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(postings, 2, "the hold went with the phase");
 }
 
 /// A span made again by hand, under its name but without a request's time,
