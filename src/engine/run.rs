@@ -322,6 +322,9 @@ impl<K: KeyStore> Engine<K> {
                 stored = Some(answer.clone());
             }
         }
+        // Everything but the commit: if any of it fails, no commit was ever
+        // sent, and the request may still be forgotten.
+        phase.send().await?;
         failpoint::boundary(|| format!("before-commit:{to}"));
         attempt.commit_attempted = true;
         attempt.at = phase.commit().await?;

@@ -21,14 +21,17 @@
 //! first held writes, as one, saving a round trip when nothing is read
 //! before them. Those writes run whether or not the row moves, and are
 //! taken back with the transaction when it does not; a write that fails
-//! instead (a newer owner's row in its way) takes the transaction with it,
-//! and the phase is opened again by its opening statement alone, which
-//! tells a refusal from a failing write, before its writes are sent again.
+//! on a constraint instead (a newer owner's row in its way), or a span
+//! gone, takes the transaction with it, and the phase is opened again by
+//! its opening statement alone, which tells a refusal from a failing
+//! write, before its writes are sent again. Any other failure ends the
+//! phase, as it would end any.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
+use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::external::{self, CallBinds, CallWrites};
@@ -57,7 +60,8 @@ pub struct RequestRecord {
 /// by its first statement. Dropping it without [`Phase::commit`] rolls
 /// everything back, and so does any statement of it that fails.
 pub struct Phase {
-    /// `None` once a statement failed: the phase is over, and commits nothing.
+    /// `None` while statements are under way, and for good once one failed
+    /// (the phase is over, and commits nothing).
     tx: Option<Transaction<'static, Postgres>>,
     /// The tables the request's rows are in.
     route: Arc<Route>,
@@ -68,10 +72,11 @@ pub struct Phase {
     to: RecoveryPoint,
     /// Writes held until the phase's next other statement or its commit.
     writes: Writes,
-    /// The final answer, when stored while the opening waits: it writes the
-    /// request's row, which the opening moves, and one statement must not
-    /// write a row twice.
-    answer: Writes,
+    /// The final answer, when stored while the opening waits: held until the
+    /// opening is sent, then through the tables it went through. It writes
+    /// the request's row, which the opening moves, and one statement must
+    /// not write a row twice.
+    answer: Option<(RequestRecord, StoredResponse)>,
     /// Times the phase from its first statement to its commit (or rollback).
     _timer: Timer,
 }
@@ -84,6 +89,12 @@ impl Phase {
         Ok(&mut **tx)
     }
 
+    /// Sends every held statement, the opening among them if it waits: all
+    /// that is left of the phase is its commit.
+    pub async fn send(&mut self) -> Result<(), LedgerError> {
+        self.flush().await.map(|_| ())
+    }
+
     /// Writes whose results the phase does not read, sent together later.
     pub fn writes(&mut self) -> &mut Writes {
         &mut self.writes
@@ -91,15 +102,11 @@ impl Phase {
 
     /// Stores the request's final answer, in the phase that finishes it.
     pub fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) {
-        let writes = if self.opening.is_some() { &mut self.answer } else { &mut self.writes };
-        writes.push(&self.route.statements.answer, |b| {
-            b.bind(request.key.client.as_uuid())
-                .bind(request.key.key.as_str())
-                .bind(timestamp(request.created_at))
-                .bind(i32::from(answer.status))
-                .bind(sqlx::types::Json(&answer.headers))
-                .bind(&answer.body);
-        });
+        if self.opening.is_some() {
+            self.answer = Some((request.clone(), answer.clone()));
+        } else {
+            hold_answer(&mut self.writes, &self.route, request, answer);
+        }
     }
 
     /// Commits the business writes and the new recovery point together.
@@ -109,42 +116,72 @@ impl Phase {
         Ok(self.to)
     }
 
-    /// Sends what the phase holds; any failure ends the phase.
+    /// Sends what the phase holds. The transaction is out of the phase
+    /// meanwhile: a send cut off halfway (its future dropped) or failing
+    /// drops it, and everything the phase wrote with it.
     async fn flush(&mut self) -> Result<&mut Transaction<'static, Postgres>, LedgerError> {
-        if let Err(e) = self.send_held().await {
-            self.tx = None;
-            return Err(e);
-        }
-        self.tx.as_mut().ok_or_else(over)
+        let tx = self.tx.take().ok_or_else(over)?;
+        let tx = self.send_held(tx).await?;
+        Ok(self.tx.insert(tx))
     }
 
     /// The opening statement, if it waits, with the writes held so far as
     /// one statement; then whatever else is held.
-    async fn send_held(&mut self) -> Result<(), LedgerError> {
+    async fn send_held(
+        &mut self,
+        mut tx: Transaction<'static, Postgres>,
+    ) -> Result<Transaction<'static, Postgres>, LedgerError> {
         if let Some(opening) = self.opening.take() {
             let held = std::mem::take(&mut self.writes);
-            let tx = self.tx.as_mut().ok_or_else(over)?;
+            let span = tracing::info_span!("begin_phase", otel.kind = "client", db.system.name = "postgresql",
+                db.operation.name = "begin_phase", key = %opening.request.key, fence = %opening.fence, to = %opening.to);
             let ctes = opening.ctes(&self.route);
-            match held.clone().send_with(tx, ctes, OPENED, |b| opening.bind(b)).await {
-                Ok(moved) => opening.settle(tx, moved).await?,
-                // Nothing of the phase stands: open it again by its opening
-                // alone, which names a refusal or a span gone as such.
-                Err(_) => {
-                    if let Some(tx) = self.tx.take() {
-                        // A connection that cannot roll back is closed, which rolls back too.
-                        let _ = tx.rollback().await;
-                    }
-                    let (tx, route) = self.ledger.open_anew(&opening).await?;
+            let sent = held.clone().send_with(&mut tx, ctes, OPENED, |b| opening.bind(b)).instrument(span).await;
+            match sent {
+                Ok(moved) => opening.settle(&mut tx, moved).await?,
+                // A write that failed where the row did not move (a newer
+                // owner's row in its way), or a span gone: nothing of the
+                // phase stands. Opened again by its opening alone, which
+                // names a refusal or a span gone as such.
+                Err(e) if hides_a_refusal(&e) => {
+                    tracing::debug!(error = %e, key = %opening.request.key, "a phase's first statement failed; opening it alone");
+                    // A connection that cannot roll back is closed, which rolls back too.
+                    let _ = tx.rollback().await;
+                    let route;
+                    (tx, route) = self.ledger.open_anew(&opening).await?;
                     self.route = route;
                     let mut held = held;
-                    held.send(self.tx.insert(tx)).await?;
+                    held.send(&mut tx).await?;
                 }
+                Err(e) => return Err(e),
+            }
+            if let Some((request, answer)) = self.answer.take() {
+                hold_answer(&mut self.writes, &self.route, &request, &answer);
             }
         }
-        let tx = self.tx.as_mut().ok_or_else(over)?;
-        self.writes.send(tx).await?;
-        self.answer.send(tx).await
+        self.writes.send(&mut tx).await?;
+        Ok(tx)
     }
+}
+
+/// Holds the statement that stores `answer` on `request`'s row in `route`'s table.
+fn hold_answer(writes: &mut Writes, route: &Route, request: &RequestRecord, answer: &StoredResponse) {
+    writes.push(&route.statements.answer, |b| {
+        b.bind(request.key.client.as_uuid())
+            .bind(request.key.key.as_str())
+            .bind(timestamp(request.created_at))
+            .bind(i32::from(answer.status))
+            .bind(sqlx::types::Json(&answer.headers))
+            .bind(&answer.body);
+    });
+}
+
+/// Whether a failed first statement may have failed on a held write where
+/// its opening would have been refused (an integrity constraint: a newer
+/// owner's row), or on its span gone (42P01, or 23514 for one made again).
+fn hides_a_refusal(e: &LedgerError) -> bool {
+    matches!(e, LedgerError::Database(sqlx::Error::Database(db))
+        if db.code().is_some_and(|code| code.starts_with("23") || code == "42P01"))
 }
 
 /// What a phase whose statement failed answers from then on.
@@ -327,9 +364,9 @@ impl Ledger {
 
     /// [`Ledger::begin_phase_with`], but with the opening statement held,
     /// to go with the phase's first held writes as one statement: before
-    /// its first statement that reads, or at its commit. Its refusals come
-    /// from there.
-    #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "begin_phase", key = %request.key, fence = %fence, to = %to))]
+    /// its first statement that reads, or when it is sent
+    /// ([`Phase::send`]) or committed. Its refusals come from there, in a
+    /// span of their own.
     pub async fn begin_phase_held(
         &self,
         request: &RequestRecord,
@@ -361,7 +398,7 @@ impl Ledger {
             opening,
             ledger: self.clone(),
             writes: Writes::default(),
-            answer: Writes::default(),
+            answer: None,
             _timer: timer,
         }
     }

@@ -1,8 +1,9 @@
 //! What the common path costs in round trips, counted on the real stores: a
 //! first payment is one claim and one finish in the key store (no read, no
-//! heartbeat) and three ledger transactions of 10 statements (sqlx logs no
-//! `BEGIN`, so with the one that opens each transaction a payment makes 13
-//! round trips to PostgreSQL); a replay is one claim whose failure carries
+//! heartbeat) and three ledger transactions of 8 statements (the first two
+//! phases send their opening with their held writes; sqlx logs no `BEGIN`,
+//! so with the one that opens each transaction a payment makes 11 round
+//! trips to PostgreSQL); a replay is one claim whose failure carries
 //! the answer, or nothing at all in an instance that already knows the
 //! answer.
 

@@ -2,7 +2,7 @@
 //! token commits; a phase under an older one, or a phase that already ran,
 //! is refused and leaves nothing behind.
 
-use keyfence::domain::{Fence, Millis, RecoveryPoint, RequestHash};
+use keyfence::domain::{Fence, Millis, RecoveryPoint, RequestHash, StoredResponse};
 use keyfence::ledger::external::CallWrites;
 use keyfence::ledger::payments::{self, Leg};
 use keyfence::ledger::writes::Writes;
@@ -758,7 +758,8 @@ async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
 
 /// The same with the first phase's opening held: the statement that sends
 /// it with the phase's writes fails on the table gone, and the phase is
-/// opened again through the partitioned tables, its writes with it.
+/// opened again through the partitioned tables, its writes with it, and
+/// the answer it stored meanwhile.
 #[tokio::test]
 async fn a_held_phase_whose_span_is_gone_goes_through_the_partitioned_tables_with_its_writes() {
     let db = TestLedger::new().await;
@@ -767,8 +768,11 @@ async fn a_held_phase_whose_span_is_gone_goes_through_the_partitioned_tables_wit
         format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}")
     })
     .await;
-    let phase = held_first_phase(&db.ledger, &later, Fence::FIRST).await.unwrap();
+    let mut phase = held_first_phase(&db.ledger, &later, Fence::FIRST).await.unwrap();
+    let answer = StoredResponse { status: 201, headers: Default::default(), body: b"{}".to_vec() };
+    phase.store_answer(&later, &answer);
     assert_eq!(phase.commit().await.expect("through the partitioned tables"), H1_DONE);
+    assert_eq!(db.ledger.answer(&later).await.unwrap(), Some(answer));
     assert_eq!(suffix_of(&db.ledger, &later).await, "default");
     assert_eq!(state(&db.ledger, &later).await, (1, "H1_DONE".into()));
     let postings: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE payment_id = $1")
