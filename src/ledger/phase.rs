@@ -21,11 +21,11 @@
 //! first held writes, as one, saving a round trip when nothing is read
 //! before them. Those writes run whether or not the row moves, and are
 //! taken back with the transaction when it does not; a write that fails
-//! on a constraint instead (a newer owner's row in its way), or a span
-//! gone, takes the transaction with it, and the phase is opened again by
-//! its opening statement alone, which tells a refusal from a failing
-//! write, before its writes are sent again. Any other failure ends the
-//! phase, as it would end any.
+//! on a constraint instead (a newer owner's row in its way, or a deadlock
+//! with that owner), or a span gone, takes the transaction with it, and
+//! the phase is opened again by its opening statement alone, which tells
+//! a refusal from a failing write, before its writes are sent again. Any
+//! other failure ends the phase, as it would end any.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -129,37 +129,51 @@ impl Phase {
     /// one statement; then whatever else is held.
     async fn send_held(
         &mut self,
+        tx: Transaction<'static, Postgres>,
+    ) -> Result<Transaction<'static, Postgres>, LedgerError> {
+        let mut tx = match self.opening.take() {
+            Some(opening) => {
+                let span = tracing::info_span!("begin_phase", otel.kind = "client", db.system.name = "postgresql",
+                    db.operation.name = "begin_phase", key = %opening.request.key, fence = %opening.fence, to = %opening.to);
+                self.send_opening(&opening, tx).instrument(span).await?
+            }
+            None => tx,
+        };
+        self.writes.send(&mut tx).await?;
+        Ok(tx)
+    }
+
+    /// The opening with the writes held so far, as one statement, and why
+    /// not if the row did not move; then the answer stored meanwhile is
+    /// held, through the tables the opening went through.
+    async fn send_opening(
+        &mut self,
+        opening: &Opening,
         mut tx: Transaction<'static, Postgres>,
     ) -> Result<Transaction<'static, Postgres>, LedgerError> {
-        if let Some(opening) = self.opening.take() {
-            let held = std::mem::take(&mut self.writes);
-            let span = tracing::info_span!("begin_phase", otel.kind = "client", db.system.name = "postgresql",
-                db.operation.name = "begin_phase", key = %opening.request.key, fence = %opening.fence, to = %opening.to);
-            let ctes = opening.ctes(&self.route);
-            let sent = held.clone().send_with(&mut tx, ctes, OPENED, |b| opening.bind(b)).instrument(span).await;
-            match sent {
-                Ok(moved) => opening.settle(&mut tx, moved).await?,
-                // A write that failed where the row did not move (a newer
-                // owner's row in its way), or a span gone: nothing of the
-                // phase stands. Opened again by its opening alone, which
-                // names a refusal or a span gone as such.
-                Err(e) if hides_a_refusal(&e) => {
-                    tracing::debug!(error = %e, key = %opening.request.key, "a phase's first statement failed; opening it alone");
-                    // A connection that cannot roll back is closed, which rolls back too.
-                    let _ = tx.rollback().await;
-                    let route;
-                    (tx, route) = self.ledger.open_anew(&opening).await?;
-                    self.route = route;
-                    let mut held = held;
-                    held.send(&mut tx).await?;
-                }
-                Err(e) => return Err(e),
+        let held = std::mem::take(&mut self.writes);
+        let ctes = opening.ctes(&self.route);
+        match held.clone().send_with(&mut tx, ctes, OPENED, |b| opening.bind(b)).await {
+            Ok(moved) => opening.settle(&mut tx, moved).await?,
+            // A write that failed where the row did not move (a newer
+            // owner's row in its way), or a span gone: nothing of the phase
+            // stands. Opened again by its opening alone, which names a
+            // refusal or a span gone as such.
+            Err(e) if hides_a_refusal(&e) => {
+                tracing::debug!(error = %e, "a phase's first statement failed; opening it alone");
+                // A connection that cannot roll back is closed, which rolls back too.
+                let _ = tx.rollback().await;
+                let route;
+                (tx, route) = self.ledger.open_anew(opening).await?;
+                self.route = route;
+                let mut held = held;
+                held.send(&mut tx).await?;
             }
-            if let Some((request, answer)) = self.answer.take() {
-                hold_answer(&mut self.writes, &self.route, &request, &answer);
-            }
+            Err(e) => return Err(e),
         }
-        self.writes.send(&mut tx).await?;
+        if let Some((request, answer)) = self.answer.take() {
+            hold_answer(&mut self.writes, &self.route, &request, &answer);
+        }
         Ok(tx)
     }
 }
@@ -177,11 +191,12 @@ fn hold_answer(writes: &mut Writes, route: &Route, request: &RequestRecord, answ
 }
 
 /// Whether a failed first statement may have failed on a held write where
-/// its opening would have been refused (an integrity constraint: a newer
-/// owner's row), or on its span gone (42P01, or 23514 for one made again).
+/// its opening would have been refused (an integrity constraint on a newer
+/// owner's row, or a deadlock with that owner: 40P01), or on its span gone
+/// (42P01, or 23514 for one made again).
 fn hides_a_refusal(e: &LedgerError) -> bool {
     matches!(e, LedgerError::Database(sqlx::Error::Database(db))
-        if db.code().is_some_and(|code| code.starts_with("23") || code == "42P01"))
+        if db.code().is_some_and(|code| code.starts_with("23") || code == "42P01" || code == "40P01"))
 }
 
 /// What a phase whose statement failed answers from then on.
@@ -365,8 +380,8 @@ impl Ledger {
     /// [`Ledger::begin_phase_with`], but with the opening statement held,
     /// to go with the phase's first held writes as one statement: before
     /// its first statement that reads, or when it is sent
-    /// ([`Phase::send`]) or committed. Its refusals come from there, in a
-    /// span of their own.
+    /// ([`Phase::send`]) or committed. Its refusals come from there, in the
+    /// span of that statement.
     pub async fn begin_phase_held(
         &self,
         request: &RequestRecord,
