@@ -16,9 +16,9 @@
 //! ([`super::region_fence`]): a ledger whose region was declared failed
 //! commits nothing more.
 //!
-//! A phase may also be begun with its opening statement held
-//! ([`Ledger::begin_phase_held`]): the statement then goes with the phase's
-//! first held writes, as one, saving a round trip when nothing is read
+//! [`Ledger::begin_phase_with`] sends that statement before it returns;
+//! [`Ledger::begin_phase_held`] holds it, to go with the phase's first held
+//! writes as one statement, saving a round trip when nothing is read
 //! before them. Those writes run whether or not the row moves, and are
 //! taken back with the transaction when it does not; a write that fails
 //! on a constraint instead (a newer owner's row in its way, or a deadlock
@@ -361,7 +361,6 @@ impl Ledger {
     }
 
     /// [`Ledger::begin_phase`], making `calls` in the same statement.
-    #[tracing::instrument(skip_all, fields(otel.kind = "client", db.system.name = "postgresql", db.operation.name = "begin_phase", key = %request.key, fence = %fence, to = %to))]
     pub async fn begin_phase_with(
         &self,
         request: &RequestRecord,
@@ -371,10 +370,9 @@ impl Ledger {
         passes: &[&RecoveryPoint],
         calls: CallWrites<'_>,
     ) -> Result<Phase, LedgerError> {
-        let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
-        let opening = Opening::new(request, fence, from, to, passes, calls)?;
-        let (tx, route) = self.open_anew(&opening).await?;
-        Ok(self.phase(tx, route, to, None, timer))
+        let mut phase = self.begin_phase_held(request, fence, from, to, passes, calls).await?;
+        phase.send().await?;
+        Ok(phase)
     }
 
     /// [`Ledger::begin_phase_with`], but with the opening statement held,
@@ -395,27 +393,16 @@ impl Ledger {
         let opening = Opening::new(request, fence, from, to, passes, calls)?;
         let route = self.routes.to(&self.pool, timestamp(request.created_at)).await;
         let tx = self.pool.begin_with(super::region_fence::BEGIN_PHASE).await?;
-        Ok(self.phase(tx, route, to, Some(opening), timer))
-    }
-
-    fn phase(
-        &self,
-        tx: Transaction<'static, Postgres>,
-        route: Arc<Route>,
-        to: &RecoveryPoint,
-        opening: Option<Opening>,
-        timer: Timer,
-    ) -> Phase {
-        Phase {
+        Ok(Phase {
             tx: Some(tx),
             route,
-            to: to.clone(),
-            opening,
+            opening: Some(opening),
             ledger: self.clone(),
+            to: to.clone(),
             writes: Writes::default(),
             answer: None,
             _timer: timer,
-        }
+        })
     }
 
     /// Opens the phase's transaction with its opening statement alone,

@@ -27,20 +27,22 @@ fn request() -> RequestRecord {
     }
 }
 
+/// The test payment: its id, its request's key ($1-$4) and fence ($5).
+const INSERT_PAYMENT: &str =
+    "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
+                               debtor_account, creditor_account, end_to_end_id, status, fence)
+     VALUES ($1, $2, $3, $4, 1250, 'EUR', 'DE01', 'FR02', 'E2E-1', 'pending', $5)";
+
 /// The first phase's business writes: the payment and a balanced hold.
 async fn hold_funds(conn: &mut PgConnection, req: &RequestRecord, fence: Fence) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
-                               debtor_account, creditor_account, end_to_end_id, status, fence)
-         VALUES ($1, $2, $3, $4, 1250, 'EUR', 'DE01', 'FR02', 'E2E-1', 'pending', $5)",
-    )
-    .bind(req.payment_id)
-    .bind(req.key.client.as_uuid())
-    .bind(req.key.key.as_str())
-    .bind(keyfence::ledger::timestamp(req.created_at))
-    .bind(fence.get() as i64)
-    .execute(&mut *conn)
-    .await?;
+    sqlx::query(INSERT_PAYMENT)
+        .bind(req.payment_id)
+        .bind(req.key.client.as_uuid())
+        .bind(req.key.key.as_str())
+        .bind(keyfence::ledger::timestamp(req.created_at))
+        .bind(fence.get() as i64)
+        .execute(&mut *conn)
+        .await?;
     post(conn, req.payment_id, "hold", &[("DE01", -1250), ("DE01:held", 1250)], fence).await
 }
 
@@ -101,18 +103,13 @@ async fn first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Resu
 async fn held_first_phase(ledger: &Ledger, req: &RequestRecord, fence: Fence) -> Result<Phase, LedgerError> {
     let from = RecoveryPoint::STARTED;
     let mut phase = ledger.begin_phase_held(req, fence, &from, &H1_DONE, &[&H1_DONE], CallWrites::default()).await?;
-    phase.writes().push(
-        "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
-                               debtor_account, creditor_account, end_to_end_id, status, fence)
-         VALUES ($1, $2, $3, $4, 1250, 'EUR', 'DE01', 'FR02', 'E2E-1', 'pending', $5)",
-        |b| {
-            b.bind(req.payment_id)
-                .bind(req.key.client.as_uuid())
-                .bind(req.key.key.as_str())
-                .bind(keyfence::ledger::timestamp(req.created_at))
-                .bind(fence.get() as i64);
-        },
-    );
+    phase.writes().push(INSERT_PAYMENT, |b| {
+        b.bind(req.payment_id)
+            .bind(req.key.client.as_uuid())
+            .bind(req.key.key.as_str())
+            .bind(keyfence::ledger::timestamp(req.created_at))
+            .bind(fence.get() as i64);
+    });
     let legs = [Leg { account: "DE01", amount_minor: -1250 }, Leg { account: "DE01:held", amount_minor: 1250 }];
     payments::post(phase.writes(), req.payment_id, "hold", "EUR", &legs, fence);
     Ok(phase)
@@ -732,6 +729,17 @@ async fn on_each_table(ledger: &Ledger, sql: impl Fn(&str) -> String) {
     }
 }
 
+/// A request in a span read by the ledger, that span then dropped by hand
+/// over the three tables.
+async fn a_request_whose_span_read_is_gone(ledger: &Ledger) -> RequestRecord {
+    let (later, tomorrow, _) = a_request_in_a_span_read(ledger).await;
+    on_each_table(ledger, |table| {
+        format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}")
+    })
+    .await;
+    later
+}
+
 /// A span dropped after an instance read the spans (by another instance,
 /// once every request in it ended) sends that instance's next phase in it
 /// through the partitioned tables, to the default partition, rather than
@@ -739,11 +747,7 @@ async fn on_each_table(ledger: &Ledger, sql: impl Fn(&str) -> String) {
 #[tokio::test]
 async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
     let db = TestLedger::new().await;
-    let (later, tomorrow, _) = a_request_in_a_span_read(&db.ledger).await;
-    on_each_table(&db.ledger, |table| {
-        format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}")
-    })
-    .await;
+    let later = a_request_whose_span_read_is_gone(&db.ledger).await;
     first_phase(&db.ledger, &later, Fence::FIRST)
         .await
         .expect("through the partitioned tables")
@@ -763,11 +767,7 @@ async fn a_phase_whose_span_is_gone_goes_through_the_partitioned_tables() {
 #[tokio::test]
 async fn a_held_phase_whose_span_is_gone_goes_through_the_partitioned_tables_with_its_writes() {
     let db = TestLedger::new().await;
-    let (later, tomorrow, _) = a_request_in_a_span_read(&db.ledger).await;
-    on_each_table(&db.ledger, |table| {
-        format!("ALTER TABLE {table} DETACH PARTITION {table}_{tomorrow}; DROP TABLE {table}_{tomorrow}")
-    })
-    .await;
+    let later = a_request_whose_span_read_is_gone(&db.ledger).await;
     let mut phase = held_first_phase(&db.ledger, &later, Fence::FIRST).await.unwrap();
     let answer = StoredResponse { status: 201, headers: Default::default(), body: b"{}".to_vec() };
     phase.store_answer(&later, &answer);
