@@ -43,12 +43,16 @@ pub struct Leg<'a> {
     pub amount_minor: i64,
 }
 
-/// Creates the payment row for a request (status `pending`).
+/// Creates the payment row for a request (status `pending`), created when
+/// the request was: at the time its key carries, the same in every region
+/// that works it, and known to whatever builds the payment as it stands
+/// without reading it back ([`succeed`]).
 pub fn insert_payment(writes: &mut Writes, request: &RequestRecord, payment: &PaymentRequest, fence: Fence) {
     writes.push(
         "INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
-                               debtor_account, creditor_account, end_to_end_id, remittance_info, status, fence)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', $11)",
+                               debtor_account, creditor_account, end_to_end_id, remittance_info, status, fence,
+                               created_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', $11, $4)",
         |b| {
             b.bind(request.payment_id)
                 .bind(request.key.client.as_uuid())
@@ -79,27 +83,57 @@ pub fn post(writes: &mut Writes, payment_id: Uuid, entry: &str, currency: &str, 
     );
 }
 
-/// Moves a payment to `status`, keeping the rail's reference once known;
-/// returns the payment as it now stands.
+/// Moves a payment to `status`; returns the payment as it now stands.
 pub async fn set_status(
     conn: &mut PgConnection,
     payment_id: Uuid,
     status: &str,
-    rail_reference: Option<&str>,
     fence: Fence,
 ) -> Result<Payment, LedgerError> {
-    let query = format!(
-        "UPDATE payments SET status = $2, rail_reference = coalesce($3, rail_reference), fence = $4, updated_at = now()
-          WHERE id = $1 RETURNING {COLUMNS}"
-    );
+    let query =
+        format!("UPDATE payments SET status = $2, fence = $3, updated_at = now() WHERE id = $1 RETURNING {COLUMNS}");
     sqlx::query_as(sqlx::AssertSqlSafe(query))
         .bind(payment_id)
         .bind(status)
-        .bind(rail_reference)
         .bind(fence_param(fence))
         .fetch_optional(conn)
         .await?
         .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
+}
+
+/// Marks `request`'s payment succeeded at the rail's `rail_reference`, as a
+/// held write, and returns it as it then stands, built from what its row
+/// was made of (`payment`, the request's own time) rather than read back.
+/// A row made before payments took their request's time takes it here,
+/// so the answer and the row agree; a payment that succeeds has no reason.
+pub fn succeed(
+    writes: &mut Writes,
+    request: &RequestRecord,
+    payment: &PaymentRequest,
+    rail_reference: &str,
+    fence: Fence,
+) -> Payment {
+    writes.push(
+        "UPDATE payments SET status = 'succeeded', rail_reference = $2, fence = $3,
+                             created_at = request_created_at, updated_at = now()
+          WHERE id = $1",
+        |b| {
+            b.bind(request.payment_id).bind(rail_reference).bind(fence_param(fence));
+        },
+    );
+    Payment {
+        id: request.payment_id,
+        status: "succeeded".to_owned(),
+        amount_minor: payment.amount_minor,
+        currency: payment.currency.clone(),
+        debtor_account: payment.debtor_account.clone(),
+        creditor_account: payment.creditor_account.clone(),
+        end_to_end_id: payment.end_to_end_id.clone(),
+        remittance_info: payment.remittance_info.clone(),
+        rail_reference: Some(rail_reference.to_owned()),
+        reason: None,
+        created_at: timestamp(request.created_at),
+    }
 }
 
 /// The payment as it stands, inside a phase.

@@ -19,7 +19,8 @@
 //! [`Ledger::begin_phase_with`] sends that statement before it returns;
 //! [`Ledger::begin_phase_held`] holds it, to go with the phase's first held
 //! writes as one statement, saving a round trip when nothing is read
-//! before them. Those writes run whether or not the row moves, and are
+//! before them; a final answer stored meanwhile goes with the move itself,
+//! on the row it moves, so a phase that reads nothing is one statement. Those writes run whether or not the row moves, and are
 //! taken back with the transaction when it does not; a write that fails
 //! on a constraint instead (a newer owner's row in its way, or a deadlock
 //! with that owner), or a span gone, takes the transaction with it, and
@@ -72,11 +73,6 @@ pub struct Phase {
     to: RecoveryPoint,
     /// Writes held until the phase's next other statement or its commit.
     writes: Writes,
-    /// The final answer, when stored while the opening waits: held until the
-    /// opening is sent, then through the tables it went through. It writes
-    /// the request's row, which the opening moves, and one statement must
-    /// not write a row twice.
-    answer: Option<(RequestRecord, StoredResponse)>,
     /// Times the phase from its first statement to its commit (or rollback).
     _timer: Timer,
 }
@@ -100,12 +96,13 @@ impl Phase {
         &mut self.writes
     }
 
-    /// Stores the request's final answer, in the phase that finishes it.
+    /// Stores the request's final answer, in the phase that finishes it:
+    /// with the move, if the opening still waits (one statement must not
+    /// write the request's row twice), else as a held write.
     pub fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) {
-        if self.opening.is_some() {
-            self.answer = Some((request.clone(), answer.clone()));
-        } else {
-            hold_answer(&mut self.writes, &self.route, request, answer);
+        match &mut self.opening {
+            Some(opening) if opening.request == *request => opening.answer = Some(answer.clone()),
+            _ => hold_answer(&mut self.writes, &self.route, request, answer),
         }
     }
 
@@ -144,8 +141,7 @@ impl Phase {
     }
 
     /// The opening with the writes held so far, as one statement, and why
-    /// not if the row did not move; then the answer stored meanwhile is
-    /// held, through the tables the opening went through.
+    /// not if the row did not move.
     async fn send_opening(
         &mut self,
         opening: &Opening,
@@ -170,9 +166,6 @@ impl Phase {
                 held.send(&mut tx).await?;
             }
             Err(e) => return Err(e),
-        }
-        if let Some((request, answer)) = self.answer.take() {
-            hold_answer(&mut self.writes, &self.route, &request, &answer);
         }
         Ok(tx)
     }
@@ -231,14 +224,15 @@ const OPENED: &str = "SELECT (SELECT count(*) FROM verdict) FROM moved";
 pub(super) struct Statements {
     /// The first phase's opening, as common table expressions before
     /// [`OPENED`]: insert the row at its first recovery point, or move a
-    /// row adopted at `STARTED` ($10) there, record the points it passes
-    /// ($11) and make its external-call writes ($12-$16). Like every phase
-    /// it first reads the region fence, in the same statement.
+    /// row adopted at `STARTED` ($10) there, with the final answer if the
+    /// phase stores one ($17-$19), record the points it passes ($11) and
+    /// make its external-call writes ($12-$16). Like every phase it first
+    /// reads the region fence, in the same statement.
     first: String,
     /// A later phase's opening, likewise: move the row from $6 to $5 under
-    /// fence $4, record the points it passes ($7) and make its
-    /// external-call writes ($8-$12), reading the region fence in the same
-    /// statement.
+    /// fence $4, with the final answer if the phase stores one ($13-$15),
+    /// record the points it passes ($7) and make its external-call writes
+    /// ($8-$12), reading the region fence in the same statement.
     next: String,
     /// Stores the final answer ($4-$6) on the request's row.
     answer: String,
@@ -246,14 +240,17 @@ pub(super) struct Statements {
 
 impl Statements {
     pub(super) fn naming(requests: &str, phase_runs: &str, external_calls: &str) -> Self {
+        let keep = keep_answer("EXCLUDED.response_status", "EXCLUDED.response_headers", "EXCLUDED.response_body");
         let first = format!(
             "fence AS (SELECT failed FROM region_fence),
      moved AS (
         INSERT INTO {requests} AS r
-           (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request)
-        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
+           (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request,
+            response_status, response_headers, response_body)
+        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $17, $18, $19 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
         ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
-           SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now()
+           SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now(),
+               {keep}
          WHERE r.fence <= EXCLUDED.fence AND r.recovery_point = $10
         RETURNING 1),
      passed AS (
@@ -265,7 +262,8 @@ impl Statements {
         let next = format!(
             "fence AS (SELECT failed FROM region_fence),
      moved AS (
-        UPDATE {requests} SET fence = $4, recovery_point = $5, updated_at = now()
+        UPDATE {requests} AS r SET fence = $4, recovery_point = $5, updated_at = now(),
+               {}
          WHERE client_id = $1 AND idem_key = $2 AND created_at = $3
            AND fence <= $4 AND recovery_point = $6
            AND NOT EXISTS (SELECT 1 FROM fence WHERE failed)
@@ -274,6 +272,7 @@ impl Statements {
         INSERT INTO {phase_runs} (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
      {}",
+            keep_answer("$13", "$14", "$15"),
             external::call_writes(external_calls, 4, 8)
         );
         let answer = format!(
@@ -282,6 +281,17 @@ impl Statements {
         );
         Statements { first, next, answer }
     }
+}
+
+/// The answer columns of a moved row: the answer given ($status,
+/// $headers, $body) if there is one, else the row's own (none before it
+/// finishes; an answer once stored is never taken back).
+fn keep_answer(status: &str, headers: &str, body: &str) -> String {
+    format!(
+        "response_status = coalesce({status}, r.response_status), \
+         response_headers = coalesce({headers}, r.response_headers), \
+         response_body = coalesce({body}, r.response_body)"
+    )
 }
 
 /// `sql` (one of the inserts above) with the row's columns bound as $1-$9.
@@ -400,7 +410,6 @@ impl Ledger {
             ledger: self.clone(),
             to: to.clone(),
             writes: Writes::default(),
-            answer: None,
             _timer: timer,
         })
     }
@@ -445,6 +454,8 @@ struct Opening {
     to: RecoveryPoint,
     passes: Vec<String>,
     calls: CallBinds,
+    /// The final answer, stored with the move.
+    answer: Option<StoredResponse>,
 }
 
 impl Opening {
@@ -463,6 +474,7 @@ impl Opening {
             to: to.clone(),
             passes: passes.iter().map(|p| p.as_str().to_owned()).collect(),
             calls: calls.binds()?,
+            answer: None,
         })
     }
 
@@ -493,6 +505,10 @@ impl Opening {
             .bind(&calls.verdict_steps)
             .bind(&calls.verdict_outcomes)
             .bind(&calls.verdict_results);
+        let answer = self.answer.as_ref();
+        b.bind(answer.map(|a| i32::from(a.status)))
+            .bind(answer.map(|a| sqlx::types::Json(&a.headers)))
+            .bind(answer.map(|a| a.body.as_slice()));
     }
 
     /// What the statement's answer says: nothing if the row `moved`, else

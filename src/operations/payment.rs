@@ -97,8 +97,8 @@ impl PaymentOperation {
 
     async fn finish(&self, cx: &mut StepContext<'_>) -> Result<StoredResponse, EngineError> {
         let rail = cx.applied("ext2").await?;
-        let (id, fence) = (cx.request.payment_id, cx.fence);
-        let payment = payments::set_status(cx.conn().await?, id, "succeeded", Some(&rail.reference), fence).await?;
+        let (request, fence) = (cx.request, cx.fence);
+        let payment = payments::succeed(cx.writes(), request, &self.payment, &rail.reference, fence);
         self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account));
         let body = serde_json::to_vec(&payment).map_err(|e| EngineError::Fault(e.to_string()))?;
         queue_event(cx, &payment, "payment.succeeded")?;
@@ -256,7 +256,7 @@ impl Operation for PaymentOperation {
 
     async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
         let (id, fence) = (cx.request.payment_id, cx.fence);
-        let payment = payments::set_status(cx.conn().await?, id, "indeterminate", None, fence).await?;
+        let payment = payments::set_status(cx.conn().await?, id, "indeterminate", fence).await?;
         queue_event(cx, &payment, "payment.indeterminate")
     }
 

@@ -145,3 +145,38 @@ kill_tests! {
     before_ledger_finish: "before-commit:FINISHED",
     between_ledger_and_key_store_finish: "after-commit:FINISHED",
 }
+
+/// A payment whose row was made before payments took their request's time
+/// (its `created_at` the moment of its insert), in flight when a new
+/// version finishes it: the answer and the payment as shown agree, both at
+/// the time the key carries, since the phase that builds the answer
+/// without reading the row gives the row that time too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payment_made_before_it_took_its_requests_time_answers_as_it_is_shown() {
+    let app = spawn_app().await;
+    let body = payment("E2E-OLD-ROW");
+    let mut doomed = ServeProcess::start(&app, Some("after-call:ext2=return"), 0).await;
+    assert!(app.try_pay_at(&doomed.url, &app.api_key, KEY, &body).await.is_err(), "died after the rail");
+    assert!(!doomed.exited().await.success());
+    let made_apart = "UPDATE payments SET created_at = request_created_at - interval '1.5 seconds'";
+    sqlx::query(made_apart).execute(app.db.ledger.pool()).await.unwrap();
+
+    let survivor = ServeProcess::start(&app, None, 0).await;
+    let answer: Value = retry_until_created(&app, &survivor.url, KEY, &body).await.json().await.unwrap();
+    let shown: Value = app
+        .get_as(&app.api_key, &format!("/v1/payments/{}", answer["id"].as_str().unwrap()))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer["created_at"], shown["created_at"], "the answer is the payment as shown");
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(KEY).unwrap());
+    let claimed = app.keys.store.get(&key).await.unwrap().unwrap().created_at;
+    let took: bool = sqlx::query_scalar("SELECT created_at = $1 AND request_created_at = $1 FROM payments")
+        .bind(keyfence::ledger::timestamp(claimed))
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert!(took, "the row took the time its key carries");
+    assert_exactly_once(&app).await;
+}

@@ -1,9 +1,10 @@
 //! What the common path costs in round trips, counted on the real stores: a
 //! first payment is one claim and one finish in the key store (no read, no
-//! heartbeat) and three ledger transactions of 8 statements (the first two
-//! phases send their opening with their held writes; sqlx logs no `BEGIN`,
-//! so with the one that opens each transaction a payment makes 11 round
-//! trips to PostgreSQL); a replay is one claim whose failure carries
+//! heartbeat) and three ledger transactions of 6 statements (each phase
+//! sends its opening with its held writes, the last its answer too, and
+//! then commits; sqlx logs no `BEGIN`, so with the one that opens each
+//! transaction a payment makes 9 round trips to PostgreSQL); a replay is
+//! one claim whose failure carries
 //! the answer, or nothing at all in an instance that already knows the
 //! answer.
 
@@ -197,7 +198,7 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
     };
     assert!(matches!(&first, Answer::Final { replayed: false, .. }), "{first:?}");
     assert_eq!(engine.keys().take(), BTreeMap::from([("claim", 1), ("finish", 1)]));
-    assert_eq!(statements.0.load(Ordering::Relaxed), 8, "PostgreSQL statements for the whole payment");
+    assert_eq!(statements.0.load(Ordering::Relaxed), 6, "PostgreSQL statements for the whole payment");
 
     // Another instance replays with one claim whose failure carries the answer...
     let replay = other.submit(submit("cost-1")).await.unwrap();
