@@ -102,10 +102,11 @@ pub async fn set_status(
 }
 
 /// Marks `request`'s payment succeeded at the rail's `rail_reference`, as a
-/// held write, and returns it as it then stands, built from what its row
-/// was made of (`payment`, the request's own time) rather than read back.
-/// A row made before payments took their request's time takes it here,
-/// so the answer and the row agree; a payment that succeeds has no reason.
+/// held write (the phase fails as corrupt if the payment has no row), and
+/// returns it as it then stands, built from what its row was made of
+/// (`payment`, the request's own time) rather than read back. A row made
+/// before payments took their request's time takes it here, so the answer
+/// and the row agree; a payment that succeeds has no reason.
 pub fn succeed(
     writes: &mut Writes,
     request: &RequestRecord,
@@ -113,10 +114,11 @@ pub fn succeed(
     rail_reference: &str,
     fence: Fence,
 ) -> Payment {
-    writes.push(
+    writes.push_one(
         "UPDATE payments SET status = 'succeeded', rail_reference = $2, fence = $3,
                              created_at = request_created_at, updated_at = now()
           WHERE id = $1",
+        format!("payment {} has no row", request.payment_id),
         |b| {
             b.bind(request.payment_id).bind(rail_reference).bind(fence_param(fence));
         },

@@ -20,7 +20,8 @@
 //! [`Ledger::begin_phase_held`] holds it, to go with the phase's first held
 //! writes as one statement, saving a round trip when nothing is read
 //! before them; a final answer stored meanwhile goes with the move itself,
-//! on the row it moves, so a phase that reads nothing is one statement. Those writes run whether or not the row moves, and are
+//! on the row it moves, so a phase that reads nothing is one statement
+//! between its `BEGIN` and its `COMMIT`. Those writes run whether or not the row moves, and are
 //! taken back with the transaction when it does not; a write that fails
 //! on a constraint instead (a newer owner's row in its way, or a deadlock
 //! with that owner), or a span gone, takes the transaction with it, and
@@ -101,7 +102,11 @@ impl Phase {
     /// write the request's row twice), else as a held write.
     pub fn store_answer(&mut self, request: &RequestRecord, answer: &StoredResponse) {
         match &mut self.opening {
-            Some(opening) if opening.request == *request => opening.answer = Some(answer.clone()),
+            Some(opening)
+                if (&opening.request.key, opening.request.created_at) == (&request.key, request.created_at) =>
+            {
+                opening.answer = Some(answer.clone())
+            }
             _ => hold_answer(&mut self.writes, &self.route, request, answer),
         }
     }

@@ -9,7 +9,9 @@
 //! first), and they do not see each other's rows (they share a snapshot).
 //! So a batch never holds a write that needs another of its writes done
 //! first, never two writes of one row, and nothing may read meaning into
-//! the order of the ids its inserts draw.
+//! the order of the ids its inserts draw. A write that must change one row
+//! ([`Writes::push_one`]) is counted in the same statement, and the batch
+//! fails if it changed none: nothing is read back, and nothing is missed.
 
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::{Arguments, Encode, PgConnection, Postgres, Row, Type};
@@ -25,6 +27,9 @@ pub struct Writes {
     /// Why a write could not be held (a value that did not encode, or
     /// arguments that do not match its placeholders), reported by `send`.
     broken: Option<String>,
+    /// The writes that must change exactly one row, by index, each with
+    /// what it means if one does not.
+    checked: Vec<(usize, String)>,
 }
 
 /// The arguments of one held write, bound in the order of its placeholders.
@@ -61,22 +66,48 @@ impl Writes {
         self.statements.push(statement);
     }
 
+    /// Holds `sql`, an `UPDATE` that must change exactly one row: the batch
+    /// it goes in fails as `LedgerError::Corrupt(missing)` if it does not.
+    pub fn push_one(&mut self, sql: &str, missing: String, bind: impl FnOnce(&mut Binds<'_>)) {
+        self.checked.push((self.statements.len(), missing));
+        self.push(&format!("{sql}\n         RETURNING 1"), bind);
+    }
+
+    /// Whether each checked write changed one row, as an SQL array.
+    fn checks(&self) -> String {
+        let each: Vec<String> = self.checked.iter().map(|(i, _)| format!("(SELECT count(*) FROM w{i}) = 1")).collect();
+        format!("ARRAY[{}]::bool[]", each.join(", "))
+    }
+
+    /// An error naming the first checked write that changed no row, if any.
+    fn verify(checked: &[(usize, String)], changed: &[bool]) -> Result<(), LedgerError> {
+        match checked.iter().zip(changed).find(|(_, one)| !**one) {
+            Some(((_, missing), _)) => Err(LedgerError::Corrupt(missing.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// Sends what is held, as one statement, and holds nothing after.
     pub async fn send(&mut self, conn: &mut PgConnection) -> Result<(), LedgerError> {
-        let Writes { statements, args, broken } = std::mem::take(self);
+        let checks = self.checks();
+        let Writes { statements, args, broken, checked } = std::mem::take(self);
         if let Some(why) = broken {
             return Err(LedgerError::Database(sqlx::Error::Encode(format!("a held write: {why}").into())));
         }
         let sql = match statements.as_slice() {
             [] => return Ok(()),
-            [one] => one.clone(),
+            [one] if checked.is_empty() => one.clone(),
             many => {
                 let ctes: Vec<String> = many.iter().enumerate().map(|(i, s)| format!("w{i} AS ({s})")).collect();
-                format!("WITH {} SELECT 1", ctes.join(", "))
+                format!("WITH {} SELECT {checks}", ctes.join(", "))
             }
         };
-        sqlx::query_with(sqlx::AssertSqlSafe(sql), args).execute(conn).await?;
-        Ok(())
+        if checked.is_empty() {
+            sqlx::query_with(sqlx::AssertSqlSafe(sql), args).execute(conn).await?;
+            return Ok(());
+        }
+        let changed: Vec<bool> = sqlx::query_scalar_with(sqlx::AssertSqlSafe(sql), args).fetch_one(conn).await?;
+        Self::verify(&checked, &changed)
     }
 
     /// Sends what is held with a statement of the caller's, as one: its
@@ -85,7 +116,7 @@ impl Writes {
     /// expressions of the same statement, so what holds for a batch holds
     /// for them and `ctes` alike: no order, one snapshot, no row written
     /// twice. Returns the first column of the row `query` returns, if it
-    /// returns one.
+    /// returns one; with one, every checked write must have changed its row.
     pub async fn send_with(
         self,
         conn: &mut PgConnection,
@@ -93,7 +124,8 @@ impl Writes {
         query: &str,
         bind: impl FnOnce(&mut Binds<'_>),
     ) -> Result<Option<i64>, LedgerError> {
-        let Writes { statements, mut args, mut broken } = self;
+        let checks = self.checks();
+        let Writes { statements, mut args, mut broken, checked } = self;
         let first = args.len();
         let (ctes, placeholders) = renumber(ctes, first);
         bind(&mut Binds { args: &mut args, broken: &mut broken });
@@ -105,11 +137,15 @@ impl Writes {
             return Err(LedgerError::Database(sqlx::Error::Encode(format!("a held write: {why}").into())));
         }
         let held: String = statements.iter().enumerate().map(|(i, s)| format!("w{i} AS ({s}), ")).collect();
-        let sql = format!("WITH {held}{ctes}\n     {query}");
-        Ok(sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
-            .try_map(|row: PgRow| row.try_get(0))
+        let sql = format!("WITH {held}{ctes},\n     answered AS ({query})\n     SELECT a.*, {checks} FROM answered a");
+        let answered = sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
+            .try_map(|row: PgRow| Ok((row.try_get(0)?, row.try_get::<Vec<bool>, _>(row.len() - 1)?)))
             .fetch_optional(conn)
-            .await?)
+            .await?;
+        match answered {
+            Some((first, changed)) => Self::verify(&checked, &changed).map(|()| Some(first)),
+            None => Ok(None),
+        }
     }
 }
 

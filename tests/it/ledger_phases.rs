@@ -2,7 +2,7 @@
 //! token commits; a phase under an older one, or a phase that already ran,
 //! is refused and leaves nothing behind.
 
-use keyfence::domain::{Fence, Millis, RecoveryPoint, RequestHash, StoredResponse};
+use keyfence::domain::{Fence, Millis, PaymentRequest, RecoveryPoint, RequestHash, StoredResponse};
 use keyfence::ledger::external::CallWrites;
 use keyfence::ledger::payments::{self, Leg};
 use keyfence::ledger::writes::Writes;
@@ -246,6 +246,40 @@ async fn held_writes_go_in_order_before_the_phases_next_statement_and_fail_its_c
     assert!(phase.commit().await.is_err(), "an unbalanced held entry committed");
     let left: i64 = sqlx::query_scalar(postings).bind(other.payment_id).fetch_one(db.ledger.pool()).await.unwrap();
     assert_eq!(left, 0, "nothing of the phase committed");
+}
+
+/// A payment marked succeeded whose row is not there (a ledger restored in
+/// part, say) fails its phase as corrupt, whether its write goes with the
+/// phase's opening or after it: nothing commits, and no answer is stored.
+#[tokio::test]
+async fn a_payment_that_succeeds_without_its_row_fails_its_phase_as_corrupt() {
+    let db = TestLedger::new().await;
+    let req = request();
+    let payment = PaymentRequest::parse(serde_json::json!({
+        "amount_minor": 1250, "currency": "EUR", "debtor_account": "DE89370400440532013000",
+        "creditor_account": "FR1420041010050500013M02606", "end_to_end_id": "E2E-GONE",
+    }))
+    .unwrap();
+    let answer = StoredResponse { status: 201, headers: Default::default(), body: b"{}".to_vec() };
+    let (from, passes) = (RecoveryPoint::STARTED, [&H1_DONE]);
+    for how in ["held", "eager"] {
+        let ledger = &db.ledger;
+        let mut phase = match how {
+            "held" => {
+                ledger.begin_phase_held(&req, Fence::FIRST, &from, &H1_DONE, &passes, CallWrites::default()).await
+            }
+            _ => ledger.begin_phase(&req, Fence::FIRST, &from, &H1_DONE, &passes).await,
+        }
+        .unwrap();
+        payments::succeed(phase.writes(), &req, &payment, "e2-1", Fence::FIRST);
+        phase.store_answer(&req, &answer);
+        match phase.commit().await {
+            Err(LedgerError::Corrupt(why)) => assert!(why.contains("has no row"), "{how}: {why}"),
+            other => panic!("{how}: expected corrupt, got {:?}", other.map_err(|e| e.to_string())),
+        }
+        assert_eq!(counts(&db.ledger).await, (0, 0, 0), "{how}: the phase left its move behind");
+        assert_eq!(db.ledger.answer(&req).await.unwrap(), None, "{how}: an answer stored");
+    }
 }
 
 /// A phase whose opening statement goes with its held writes commits both
