@@ -68,6 +68,7 @@ impl Writes {
 
     /// Holds `sql`, an `UPDATE` that must change exactly one row: the batch
     /// it goes in fails as `LedgerError::Corrupt(missing)` if it does not.
+    /// `sql` ends with its `WHERE` clause (`RETURNING 1` is added to it).
     pub fn push_one(&mut self, sql: &str, missing: String, bind: impl FnOnce(&mut Binds<'_>)) {
         self.checked.push((self.statements.len(), missing));
         self.push(&format!("{sql}\n         RETURNING 1"), bind);
