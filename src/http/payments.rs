@@ -209,7 +209,34 @@ pub(super) fn merged(live: Vec<Value>) -> Vec<Value> {
         by_id.entry(id).or_insert(payment);
     }
     let mut all: Vec<Value> = by_id.into_values().collect();
-    all.sort_by(|a, b| (a["created_at"].as_str(), a["id"].as_str()).cmp(&(b["created_at"].as_str(), b["id"].as_str())));
+    all.sort_by_cached_key(|shown| (created(shown), shown["id"].as_str().map(str::to_owned)));
     all.truncate(100);
     all
+}
+
+/// When a shown payment or refund was created, as a time: RFC 3339 leaves
+/// out a fraction's trailing zeros, so the text does not sort as the time
+/// does (`05.12Z` is before `05.123Z`).
+fn created(shown: &Value) -> Option<time::OffsetDateTime> {
+    let at = shown["created_at"].as_str()?;
+    time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payments_from_several_regions_are_listed_in_the_order_they_were_made() {
+        let shown = |id: &str, at: &str| json!({ "id": id, "created_at": at });
+        let listed = merged(vec![
+            shown("a", "2026-12-03T22:00:05.123Z"),
+            shown("b", "2026-12-03T22:00:05.12Z"),
+            shown("c", "2026-12-03T22:00:05Z"),
+            shown("d", "2026-12-03T22:00:04.9Z"),
+            shown("b", "2026-12-03T22:00:05.12Z"),
+        ]);
+        let ids: Vec<&str> = listed.iter().map(|p| p["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["d", "c", "b", "a"]);
+    }
 }
