@@ -95,20 +95,19 @@ impl Writes {
         if let Some(why) = broken {
             return Err(LedgerError::Database(sqlx::Error::Encode(format!("a held write: {why}").into())));
         }
-        let sql = match statements.as_slice() {
-            [] => return Ok(()),
-            [one] if checked.is_empty() => one.clone(),
-            many => {
-                let ctes: Vec<String> = many.iter().enumerate().map(|(i, s)| format!("w{i} AS ({s})")).collect();
-                format!("WITH {} SELECT {checks}", ctes.join(", "))
+        match statements.as_slice() {
+            [] => Ok(()),
+            [one] if checked.is_empty() => {
+                sqlx::query_with(sqlx::AssertSqlSafe(one.as_str()), args).execute(conn).await?;
+                Ok(())
             }
-        };
-        if checked.is_empty() {
-            sqlx::query_with(sqlx::AssertSqlSafe(sql), args).execute(conn).await?;
-            return Ok(());
+            many => {
+                let sql = format!("WITH {} SELECT {checks}", named(many).join(", "));
+                let changed: Vec<bool> =
+                    sqlx::query_scalar_with(sqlx::AssertSqlSafe(sql), args).fetch_one(conn).await?;
+                Self::verify(&checked, &changed)
+            }
         }
-        let changed: Vec<bool> = sqlx::query_scalar_with(sqlx::AssertSqlSafe(sql), args).fetch_one(conn).await?;
-        Self::verify(&checked, &changed)
     }
 
     /// Sends what is held with a statement of the caller's, as one: its
@@ -137,7 +136,7 @@ impl Writes {
         if let Some(why) = broken {
             return Err(LedgerError::Database(sqlx::Error::Encode(format!("a held write: {why}").into())));
         }
-        let held: String = statements.iter().enumerate().map(|(i, s)| format!("w{i} AS ({s}), ")).collect();
+        let held: String = named(&statements).iter().map(|w| format!("{w}, ")).collect();
         let sql = format!("WITH {held}{ctes},\n     answered AS ({query})\n     SELECT a.*, {checks} FROM answered a");
         let answered = sqlx::query_with(sqlx::AssertSqlSafe(sql), args)
             .try_map(|row: PgRow| Ok((row.try_get(0)?, row.try_get::<Vec<bool>, _>(row.len() - 1)?)))
@@ -148,6 +147,12 @@ impl Writes {
             None => Ok(None),
         }
     }
+}
+
+/// The held statements as common table expressions, `w0`, `w1`, ... in
+/// order (the names [`Writes::checks`] counts).
+fn named(statements: &[String]) -> Vec<String> {
+    statements.iter().enumerate().map(|(i, s)| format!("w{i} AS ({s})")).collect()
 }
 
 /// `sql` with each placeholder `$n` made `$(n + offset)`, and the highest
