@@ -9,7 +9,7 @@ use keyfence::clients::ClientStore;
 use keyfence::config::{KeyStoreSettings, LedgerSettings, RailSettings};
 use keyfence::domain::ApiKey;
 use keyfence::keystore::{self, DynamoKeyStore};
-use keyfence::ledger::Ledger;
+use keyfence::ledger;
 use keyfence::rail::{self, RailClient};
 use keyfence::startup::shutdown_signal;
 
@@ -110,17 +110,25 @@ pub async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
 }
 
 pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let ledger = Ledger::connect(&args.ledger).await.context("connecting to the ledger")?;
-    let api_key = ApiKey::generate();
-    let store = ClientStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
-    let bench = store.add("bench", &api_key).await.context("creating the bench client")?;
-    store.change_accounts(bench.id, &["DE89370400440532013000".to_owned()], true).await?;
-    let floor = bench::front_door::Floor {
+    let (ledger, settings) = bench::floor::fresh_ledger(&args.ledger).await.context("making the floor's own ledger")?;
+    let floor = bench::floor::Floor {
         keys: DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone()),
         ledger,
         e1: RailClient::new("screening", &args.rails.e1_url, args.rails.rail_timeout, args.rails.rail_attempts),
         e2: RailClient::new("payment", &args.rails.e2_url, args.rails.rail_timeout, args.rails.rail_attempts),
     };
+    let swept = sweep(&args, &floor).await;
+    floor.ledger.pool().close().await;
+    ledger::drop_database(&settings).await.context("dropping the floor's own ledger")?;
+    swept
+}
+
+/// Every run of the front door and its floors, then their summary and plots.
+async fn sweep(args: &BenchArgs, floor: &bench::floor::Floor) -> anyhow::Result<()> {
+    let api_key = ApiKey::generate();
+    let store = ClientStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
+    let bench = store.add("bench", &api_key).await.context("creating the bench client")?;
+    store.change_accounts(bench.id, &["DE89370400440532013000".to_owned()], true).await?;
     let serve = bench::front_door::Instance { url: args.url.clone(), admin_url: args.admin_url.clone() };
     let cold = args.cold_url.clone().zip(args.cold_admin_url.clone());
     let cold = cold.map(|(url, admin_url)| bench::front_door::Instance { url, admin_url });
@@ -135,7 +143,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 concurrency,
                 floors_first: repeat % 2 == 1,
             };
-            let report = bench::front_door::run(&plan, &floor).await;
+            let report = bench::front_door::run(&plan, floor).await;
             println!("run {} of {}", repeat + 1, args.repeat.max(1));
             print!("{}", report.table());
             for figures in report.front_door() {
@@ -144,6 +152,15 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
                         "{} did not all answer 201 ({:?}, {} failed): these figures would not measure payments",
                         figures.label,
                         figures.statuses,
+                        figures.failures
+                    );
+                }
+            }
+            for figures in [&report.floor, &report.replay_floor] {
+                if figures.failures > 0 {
+                    anyhow::bail!(
+                        "{} failed {} times (see the warnings): there is nothing to measure against",
+                        figures.label,
                         figures.failures
                     );
                 }

@@ -2,12 +2,10 @@
 //! with distinct keys at concurrency C and replays all N, to the instance
 //! that worked them (which replays from memory) and, when given one, to a
 //! second instance that has not seen them (which asks the key store). In
-//! the same run it measures two floors: a bare loop doing only what a
-//! payment must do (a claim and a finish in the key store, three PostgreSQL
-//! transactions, one call to each rail), and the raw replay floor (one
-//! key-store round trip of the kind a replay makes on an instance that has
-//! not seen its answer: a claim of an existing key, answered with the item),
-//! so the front door's own overhead is the ratio of each pair. CPU per
+//! the same run it measures the two floors of [`super::floor`]: a bare
+//! loop doing only what a payment must do, and one key-store round trip of
+//! the kind a replay makes on an instance that has not seen its answer, so
+//! the front door's own overhead is the ratio of each pair. CPU per
 //! request is the working process's: serve's from its own `/metrics`
 //! (`process_cpu_seconds_total`), the floors' from this process's
 //! `/proc/self/stat`, each read before and after its phase, with
@@ -23,14 +21,11 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use serde_json::json;
 use uuid::Uuid;
 
-use keyfence::domain::{ClientId, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
-use keyfence::keystore::{Claim, DynamoKeyStore, Finish, KeyStore, Lease};
-use keyfence::ledger::Ledger;
-use keyfence::rail::{CallOutcome, Instruction, RailClient};
+use keyfence::domain::ClientId;
 
+use super::floor::{self, Floor};
 use super::{cpu, percentile};
 
 /// Where and how hard to push.
@@ -52,14 +47,6 @@ pub struct BenchPlan {
 pub struct Instance {
     pub url: String,
     pub admin_url: String,
-}
-
-/// The parts the floor loop talks to directly.
-pub struct Floor {
-    pub keys: DynamoKeyStore,
-    pub ledger: Ledger,
-    pub e1: RailClient,
-    pub e2: RailClient,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -174,13 +161,7 @@ async fn front_door(plan: &BenchPlan) -> (Figures, Figures, Option<Figures>) {
             .post(format!("{}/v1/payments", to.url))
             .bearer_auth(&plan.api_key)
             .header("Idempotency-Key", format!("bench-{batch}-{i}"))
-            .json(&json!({
-                "amount_minor": 100 + i as i64,
-                "currency": "EUR",
-                "debtor_account": "DE89370400440532013000",
-                "creditor_account": "FR1420041010050500013M02606",
-                "end_to_end_id": format!("BENCH-{i}"),
-            }));
+            .json(&floor::payment(i));
         async move { request.send().await.map(|r| r.status().as_u16()).map_err(|e| e.to_string()) }
     };
     let payments = against(&http, plan, &plan.serve, "payments", |i| send(&plan.serve, i)).await;
@@ -214,9 +195,9 @@ where
 /// this process's CPU per iteration.
 async fn floors(plan: &BenchPlan, stack: &Floor, client: ClientId) -> (Figures, Figures) {
     let before = cpu::own_seconds();
-    let mut floor = measure("floor", plan, |i| floor_loop(stack, client, i)).await;
+    let mut floor = measure("floor", plan, |i| floor::payment_loop(stack, client, i)).await;
     let between = cpu::own_seconds();
-    let mut replay_floor = measure("replay floor", plan, |i| replay_floor_loop(stack, client, i)).await;
+    let mut replay_floor = measure("replay floor", plan, |i| floor::replay_loop(stack, client, i)).await;
     floor.cpu_ms_per_request = per_request(before, between, floor.requests);
     replay_floor.cpu_ms_per_request = per_request(between, cpu::own_seconds(), replay_floor.requests);
     (floor, replay_floor)
@@ -231,70 +212,6 @@ fn per_request(from: Option<f64>, to: Option<f64>, requests: usize) -> Option<f6
 async fn serve_cpu_seconds(http: &reqwest::Client, url: &str) -> Option<f64> {
     let text = http.get(format!("{url}/metrics")).send().await.ok()?.text().await.ok()?;
     text.lines().find_map(|line| line.strip_prefix("process_cpu_seconds_total ")?.trim().parse().ok())
-}
-
-/// One key-store round trip of the kind a replay makes: a claim of a key
-/// that exists (the floor loop made it), answered with the item.
-async fn replay_floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, String> {
-    let key = ScopedKey::new(client, IdempotencyKey::parse(&format!("floor-{i}")).map_err(|e| e.to_string())?);
-    let claim = Claim {
-        key,
-        request_hash: RequestHash::from_hex(String::new()),
-        request: Vec::new(),
-        operation: "payment".into(),
-        payment_id: Uuid::now_v7(),
-        owner: Owner::attempt_of("bench"),
-        home_region: "bench".into(),
-        lease: Lease { now: Millis::now(), length: Duration::from_secs(10) },
-        gone_before: Millis::now(),
-    };
-    match floor.keys.claim(&claim).await {
-        Err(keyfence::keystore::KeyStoreError::Taken(Some(_))) => Ok(200),
-        Ok(_) => Err("the key did not exist".into()),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-/// The irreducible work of one payment, with none of keyfence's logic.
-async fn floor_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, String> {
-    let key = ScopedKey::new(client, IdempotencyKey::parse(&format!("floor-{i}")).map_err(|e| e.to_string())?);
-    let now = Millis::now();
-    let claim = Claim {
-        key: key.clone(),
-        request_hash: RequestHash::from_hex(String::new()),
-        request: Vec::new(),
-        operation: "payment".into(),
-        payment_id: Uuid::now_v7(),
-        owner: Owner::attempt_of("bench"),
-        home_region: "bench".into(),
-        lease: Lease { now, length: Duration::from_secs(10) },
-        gone_before: now,
-    };
-    let item = floor.keys.claim(&claim).await.map_err(|e| e.to_string())?;
-    for _ in 0..3 {
-        let mut tx = floor.ledger.pool().begin().await.map_err(|e| e.to_string())?;
-        sqlx::query("SELECT pg_current_xact_id()").execute(&mut *tx).await.map_err(|e| e.to_string())?;
-        tx.commit().await.map_err(|e| e.to_string())?;
-    }
-    let instruction = Instruction {
-        originator: client.to_string(),
-        end_to_end_id: format!("FLOOR-{i}"),
-        amount_minor: 1,
-        currency: "EUR".into(),
-        debtor_account: "D".into(),
-        creditor_account: "C".into(),
-    };
-    for rail in [&floor.e1, &floor.e2] {
-        if let CallOutcome::NotApplied(why) | CallOutcome::Unknown(why) =
-            rail.send(&Uuid::new_v4().simple().to_string(), &instruction).await
-        {
-            return Err(why);
-        }
-    }
-    let response = StoredResponse { status: 201, headers: BTreeMap::new(), body: b"{}".to_vec() };
-    let finish = Finish { response, expires_at: now.plus(Duration::from_secs(3600)) };
-    floor.keys.finish(&key, &item.holder(), &finish).await.map_err(|e| e.to_string())?;
-    Ok(200)
 }
 
 /// Runs `one(i)` for i in 0..N on C workers and summarises the latencies.

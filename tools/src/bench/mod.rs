@@ -1,12 +1,13 @@
 //! Benchmarks, as subcommands that write their figures to a file:
 //! [`front_door`] measures payments and replays against a running stack and
-//! the floor of its store and rail calls; [`summary`] takes the median of
+//! against the [`floor`] of their store and rail calls; [`summary`] takes the median of
 //! its repeated runs and judges them against the targets; [`reconcile`]
 //! measures how fast the reconciler compares and repairs, at several table
 //! sizes; [`plot`] draws the front door's figures against concurrency;
 //! [`cpu`] reads the CPU time they divide.
 
 pub mod cpu;
+pub mod floor;
 pub mod front_door;
 pub mod plot;
 pub mod reconcile;
