@@ -7,11 +7,12 @@
 //! Only a newer epoch changes the row, so two declarations that reach the
 //! ledger in the reverse order of their epochs leave it as the newer one
 //! says. Phases and the fence meet on a transaction-level advisory lock:
-//! every phase takes it shared in the statement that opens its transaction
+//! every phase takes it shared in the message that opens its transaction
 //! (so the fence row it reads next is read after the lock is held), and a
-//! change takes it exclusively. PostgreSQL queues a shared request behind a
-//! waiting exclusive one, so a change waits only for the phases already in
-//! flight, never behind an endless stream of new ones (as it would behind
+//! change takes it exclusively. A phase tries the lock first and waits for
+//! it only when the try fails; PostgreSQL fails a try and queues a wait
+//! behind a waiting exclusive request, so a change waits only for the
+//! phases already in flight, never behind an endless stream of new ones (as it would behind
 //! row share locks, which compatible lockers keep acquiring past a waiting
 //! writer), and once it returns no phase of the old state can commit. A
 //! change waits at most [`CHANGE_WAIT`] for the phases in flight: a phase
@@ -26,6 +27,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
+use sqlx::{PgPool, Postgres, Transaction};
 
 use super::{Ledger, LedgerError};
 
@@ -36,21 +38,49 @@ macro_rules! lock_key {
     };
 }
 
-/// Opens a phase's transaction holding the lock shared, in one round trip.
-/// A waiting change gives up after [`CHANGE_WAIT`], so this wait is bounded
-/// without a lock or statement timeout of its own, and a server-wide one
-/// must not fail it. The lock is taken in the message's implicit
-/// transaction, which `BEGIN` then makes the phase's: should the wait fail
-/// all the same (an operator cancels it), nothing is left open, and the
-/// connection goes back to the pool clean rather than inside an aborted
-/// transaction that would fail every statement after it. The phase reads
-/// committed whatever the server's default, so the fence row its next
-/// statement reads is the one as of after the lock, not of before the
-/// wait; and once the lock is held, the server's statement timeout is the
-/// phase's again (put back by the statement that waits, whose own timeout
-/// was settled as it began: `BEGIN` stays the last statement, so a cancel
-/// that lands after the wait still leaves nothing open).
-pub(super) const BEGIN_PHASE: &str = concat!(
+/// Opens a phase's transaction holding the lock shared, in one round trip
+/// when no change of the fence holds the lock or waits for it (the lock is
+/// tried, never waited for: [`BEGIN_PHASE_AT_ONCE`]), in two when one does
+/// (the try fails, and the phase waits its turn: [`BEGIN_PHASE_WAITING`]).
+/// Either way the phase reads committed whatever the server's default, so
+/// the fence row its next statement reads is the one as of after the lock,
+/// and either way the lock is taken in the message's implicit transaction,
+/// which `BEGIN`, the message's last statement, then makes the phase's: a
+/// try that fails, or a wait that fails all the same, leaves nothing open.
+pub(super) async fn begin_phase(pool: &PgPool) -> Result<Transaction<'static, Postgres>, LedgerError> {
+    match pool.begin_with(BEGIN_PHASE_AT_ONCE).await {
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(BUSY) => {
+            Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
+        }
+        opened => Ok(opened?),
+    }
+}
+
+/// What `region_fence_busy()` raises (migrations/0011_region_fence_busy.sql).
+const BUSY: &str = "KF001";
+
+/// Takes the lock shared if it can at once, else raises [`BUSY`]. A try
+/// that finds a change waiting for the lock fails too (PostgreSQL queues a
+/// request behind a waiting one it conflicts with), so no phase overtakes a
+/// change. A try never waits, so no timeout of the server's can cut it short.
+const BEGIN_PHASE_AT_ONCE: &str = concat!(
+    "SET LOCAL transaction_isolation = 'read committed'; ",
+    "SELECT region_fence_busy() WHERE NOT pg_try_advisory_xact_lock_shared(",
+    lock_key!(),
+    "); BEGIN"
+);
+
+/// Waits for the lock shared, behind the change that holds it or waits for
+/// it. A waiting change gives up after [`CHANGE_WAIT`], so this wait is
+/// bounded without a lock or statement timeout of its own, and a
+/// server-wide one must not fail it: both are lifted for the wait, and once
+/// the lock is held the server's statement timeout is the phase's again
+/// (put back by the statement that waits, whose own timeout was settled as
+/// it began: `BEGIN` stays the last statement, so a cancel that lands after
+/// the wait still leaves nothing open, and the connection goes back to the
+/// pool clean rather than inside an aborted transaction that would fail
+/// every statement after it).
+const BEGIN_PHASE_WAITING: &str = concat!(
     "SET LOCAL transaction_isolation = 'read committed'; SET LOCAL lock_timeout = 0; ",
     "SET LOCAL statement_timeout = 0; SELECT pg_advisory_xact_lock_shared(",
     lock_key!(),

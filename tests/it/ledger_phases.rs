@@ -615,6 +615,41 @@ async fn a_phase_queued_behind_a_failover_reads_the_fence_it_left_whatever_the_i
     assert_eq!(requests, 1, "only the phase that ended before the change committed");
 }
 
+/// A phase that opens while a change holds the fence's lock (not waiting
+/// for it: it has it, and has not yet committed) finds the lock taken,
+/// waits its turn past the server's statement timeout, and then reads the
+/// fence as the change left it: failed, so it commits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phase_that_opens_while_a_change_holds_the_fence_waits_and_reads_what_it_left() {
+    use std::time::Duration;
+    let db = TestLedger::new().await;
+    set_on_database(&db, "statement_timeout = 200").await;
+    let ledger = Ledger::connect(&db.settings).await.unwrap();
+    // A change midway: the lock held exclusively, the row written, not
+    // yet committed (the key is the one src/ledger/region_fence.rs uses).
+    let mut change = db.ledger.pool().begin().await.unwrap();
+    sqlx::raw_sql(
+        "SET LOCAL statement_timeout = 0; SELECT pg_advisory_xact_lock(7738977954614962543);
+         UPDATE region_fence SET failed = true, epoch = 1, reason = 'failover'",
+    )
+    .execute(&mut *change)
+    .await
+    .unwrap();
+    let opening = ledger.clone();
+    let queued = tokio::spawn(async move {
+        let phase =
+            opening.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await?;
+        phase.commit().await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!queued.is_finished(), "the phase waits for the change");
+    change.commit().await.unwrap();
+    let after = queued.await.unwrap();
+    assert!(matches!(after, Err(LedgerError::RegionFailed(_))), "{after:?}");
+    let (requests,): (i64,) = sqlx::query_as("SELECT count(*) FROM requests").fetch_one(ledger.pool()).await.unwrap();
+    assert_eq!(requests, 0, "nothing committed after the change");
+}
+
 /// A ledger bound to its region refuses a change naming another one (an
 /// SRE's `--ledger` pointed at the wrong database).
 #[tokio::test]
