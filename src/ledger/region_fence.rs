@@ -12,9 +12,10 @@
 //! change takes it exclusively. A phase tries the lock first and waits for
 //! it only when the try fails; PostgreSQL fails a try and queues a wait
 //! behind a waiting exclusive request, so a change waits only for the
-//! phases already in flight, never behind an endless stream of new ones (as it would behind
-//! row share locks, which compatible lockers keep acquiring past a waiting
-//! writer), and once it returns no phase of the old state can commit. A
+//! phases already in flight, never behind an endless stream of new ones
+//! (as it would behind row share locks, which compatible lockers keep
+//! acquiring past a waiting writer), and once it returns no phase of the
+//! old state can commit. A
 //! change waits at most [`CHANGE_WAIT`] for the phases in flight: a phase
 //! stalled inside its transaction (its owner paused, its connection half
 //! dead) would otherwise hold every later phase behind the waiting change;
@@ -47,9 +48,19 @@ macro_rules! lock_key {
 /// and either way the lock is taken in the message's implicit transaction,
 /// which `BEGIN`, the message's last statement, then makes the phase's: a
 /// try that fails, or a wait that fails all the same, leaves nothing open.
+/// A ledger not yet migrated to 0011 has no `region_fence_busy()`: there
+/// every phase opens the waiting way, as it did before, and says so once.
 pub(super) async fn begin_phase(pool: &PgPool) -> Result<Transaction<'static, Postgres>, LedgerError> {
     match pool.begin_with(BEGIN_PHASE_AT_ONCE).await {
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(BUSY) => {
+            Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
+        }
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNDEFINED_FUNCTION) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(error = %e, "the ledger lacks migration 0011: phases wait for the region fence's lock \
+                                            instead of trying it; run `keyfence migrate`");
+            });
             Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
         }
         opened => Ok(opened?),
@@ -58,6 +69,9 @@ pub(super) async fn begin_phase(pool: &PgPool) -> Result<Transaction<'static, Po
 
 /// What `region_fence_busy()` raises (migrations/0011_region_fence_busy.sql).
 const BUSY: &str = "KF001";
+
+/// What the try raises on a ledger without that migration.
+const UNDEFINED_FUNCTION: &str = "42883";
 
 /// Takes the lock shared if it can at once, else raises [`BUSY`]. A try
 /// that finds a change waiting for the lock fails too (PostgreSQL queues a

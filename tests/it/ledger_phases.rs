@@ -641,8 +641,29 @@ async fn a_phase_that_opens_while_a_change_holds_the_fence_waits_and_reads_what_
             opening.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await?;
         phase.commit().await
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!queued.is_finished(), "the phase waits for the change");
+    // Waiting for the lock, and past the statement timeout (the watcher's
+    // own queries are not held to it).
+    let mut watcher = db.ledger.pool().acquire().await.unwrap();
+    sqlx::query("SET statement_timeout = 0").execute(&mut *watcher).await.unwrap();
+    let waiting = async {
+        loop {
+            let waiting: bool = sqlx::query_scalar(
+                "SELECT count(*) > 0 FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'
+                    AND query LIKE '%pg_advisory_xact_lock_shared%'",
+            )
+            .fetch_one(&mut *watcher)
+            .await
+            .unwrap();
+            if waiting {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("the phase waits for the change's lock");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!queued.is_finished(), "the phase still waits for the change");
     change.commit().await.unwrap();
     let after = queued.await.unwrap();
     assert!(matches!(after, Err(LedgerError::RegionFailed(_))), "{after:?}");
