@@ -110,17 +110,24 @@ pub async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
 }
 
 pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
     let (ledger, settings) = bench::floor::fresh_ledger(&args.ledger).await.context("making the floor's own ledger")?;
     let floor = bench::floor::Floor {
-        keys: DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone()),
+        keys,
         ledger,
         e1: RailClient::new("screening", &args.rails.e1_url, args.rails.rail_timeout, args.rails.rail_attempts),
         e2: RailClient::new("payment", &args.rails.e2_url, args.rails.rail_timeout, args.rails.rail_attempts),
     };
     let swept = sweep(&args, &floor).await;
     floor.ledger.pool().close().await;
-    ledger::drop_database(&settings).await.context("dropping the floor's own ledger")?;
-    swept
+    let dropped = ledger::drop_database(&settings).await.context("dropping the floor's own ledger");
+    match (swept, dropped) {
+        (Err(e), Err(also)) => {
+            tracing::warn!(error = %also, "the floor's own ledger is left behind");
+            Err(e)
+        }
+        (swept, dropped) => swept.and(dropped),
+    }
 }
 
 /// Every run of the front door and its floors, then their summary and plots.

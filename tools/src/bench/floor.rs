@@ -10,9 +10,11 @@
 //! them, and a finish storing the 201 answer. Each transaction is `BEGIN`,
 //! one statement and `COMMIT`. It writes nothing keyfence keeps to resume
 //! and fence a payment: no request row or recovery point, no phase records,
-//! no external-call records, no region fence, no ledger copy of the answer.
-//! Its rows go to a ledger of its own, migrated like serve's (the same
-//! tables, indexes and balance check), so no worker of serve's sees them.
+//! no external-call records, no region fence, no ledger copy of the answer;
+//! and its events are never fanned out to webhook endpoints, which serve's
+//! webhook worker does for every payment's. Its rows go to a ledger of its
+//! own, migrated like serve's (the same tables, indexes and balance check),
+//! so no worker of serve's sees them.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -27,6 +29,7 @@ use keyfence::keystore::{Claim, DynamoKeyStore, Finish, KeyStore, KeyStoreError,
 use keyfence::ledger::payments::Payment;
 use keyfence::ledger::{self, Ledger};
 use keyfence::rail::{CallOutcome, Instruction, RailClient, Verdict};
+use keyfence::webhooks;
 
 /// What the floors talk to directly.
 pub struct Floor {
@@ -61,15 +64,18 @@ pub fn payment(i: usize) -> serde_json::Value {
 /// The claim of the floor's `i`th key, carrying its request as a
 /// payment's claim does.
 fn claim(client: ClientId, i: usize) -> Result<(Claim, PaymentRequest), String> {
-    let key = ScopedKey::new(client, IdempotencyKey::parse(&format!("floor-{i}")).map_err(|e| e.to_string())?);
+    // As long as the front door's keys, which carry their run's id too.
+    let key = format!("floor-{}-{i}", client.as_uuid().simple());
+    let key = ScopedKey::new(client, IdempotencyKey::parse(&key).map_err(|e| e.to_string())?);
     let value = payment(i);
-    let request_hash = RequestHash::of("POST", "/v1/payments", value.to_string().as_bytes());
+    let canonical = serde_jcs::to_vec(&value).map_err(|e| e.to_string())?;
+    let request_hash = RequestHash::of("POST", "/v1/payments", &canonical);
     let request = PaymentRequest::parse(value).map_err(|e| format!("{e:?}"))?;
     let now = Millis::now();
     let claim = Claim {
         key,
         request_hash,
-        request: serde_json::to_vec(&request).map_err(|e| e.to_string())?,
+        request: serde_jcs::to_vec(&request).map_err(|e| e.to_string())?,
         operation: "payment".into(),
         payment_id: Uuid::now_v7(),
         owner: Owner::attempt_of("bench"),
@@ -157,7 +163,9 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
         created_at,
     };
     let body = serde_json::to_vec(&payment).map_err(|e| e.to_string())?;
-    let event = serde_json::to_value(&payment).map_err(|e| e.to_string())?;
+    let mut event = serde_json::to_value(&payment).map_err(|e| e.to_string())?;
+    event["debtor_account"] = webhooks::masked(&payment.debtor_account).into();
+    event["creditor_account"] = webhooks::masked(&payment.creditor_account).into();
     let (accounts, amounts) = entry("clearing:rail", &creditor);
     let mut tx = floor.ledger.pool().begin().await.map_err(failed)?;
     sqlx::query(
@@ -169,14 +177,15 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
                 SELECT settled.id, 'settle', account, amount, $3, 1
                   FROM settled, unnest($4::text[], $5::bigint[]) AS leg(account, amount))
              INSERT INTO outbox (event_id, client_id, payment_id, event, payload)
-             VALUES ($6, $7, $1, 'payment.succeeded', $8)",
+             VALUES ($6, $7, $1, 'payment.succeeded', $8)
+             ON CONFLICT (payment_id, event) DO NOTHING",
     )
     .bind(id)
     .bind(&reference)
     .bind(&request.currency)
     .bind(accounts)
     .bind(amounts)
-    .bind(Uuid::now_v7())
+    .bind(webhooks::event_id(id, "payment.succeeded"))
     .bind(client.as_uuid())
     .bind(event)
     .execute(&mut *tx)
