@@ -292,7 +292,7 @@ impl Ledger {
         &self,
         pending: &PendingReturn,
     ) -> Result<Option<Transaction<'static, Postgres>>, LedgerError> {
-        let mut tx = super::region_fence::begin_phase(&self.pool).await?;
+        let mut tx = self.opener.begin(&self.pool).await?;
         let fenced: Option<(bool, Option<String>)> =
             sqlx::query_as("SELECT failed, region FROM region_fence").fetch_optional(&mut *tx).await?;
         if let Some((true, region)) = fenced {

@@ -47,6 +47,8 @@ pub struct Ledger {
     pool: PgPool,
     /// The partitions phases write to, read from the catalog as needed.
     routes: Arc<routes::Routes>,
+    /// How phases take the region fence's lock as they open.
+    opener: Arc<region_fence::Opener>,
 }
 
 /// What [`Ledger::migrate`] did.
@@ -59,7 +61,7 @@ pub struct MigrationReport {
 
 impl Ledger {
     pub fn new(pool: PgPool) -> Self {
-        Self { pool, routes: Arc::default() }
+        Self { pool, routes: Arc::default(), opener: Arc::default() }
     }
 
     /// Connects a pool to the configured database.

@@ -407,7 +407,7 @@ impl Ledger {
         let timer = Timer::start("keyfence_ledger_phase_seconds", &[("to", to.as_str())]);
         let opening = Opening::new(request, fence, from, to, passes, calls)?;
         let route = self.routes.to(&self.pool, timestamp(request.created_at)).await;
-        let tx = super::region_fence::begin_phase(&self.pool).await?;
+        let tx = self.opener.begin(&self.pool).await?;
         Ok(Phase {
             tx: Some(tx),
             route,
@@ -443,7 +443,7 @@ impl Ledger {
     /// Opens the transaction and runs the phase's opening statement through
     /// `route`'s tables; an error if the request did not move.
     async fn open(&self, route: &Route, opening: &Opening) -> Result<Transaction<'static, Postgres>, LedgerError> {
-        let mut tx = super::region_fence::begin_phase(&self.pool).await?;
+        let mut tx = self.opener.begin(&self.pool).await?;
         let moved = Writes::default().send_with(&mut tx, opening.ctes(route), OPENED, |b| opening.bind(b)).await?;
         opening.settle(&mut tx, moved).await?;
         Ok(tx)

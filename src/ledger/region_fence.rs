@@ -25,6 +25,7 @@
 //! ledger it is: once a region's instance has bound it, a change naming
 //! another region is refused.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -39,31 +40,42 @@ macro_rules! lock_key {
     };
 }
 
-/// Opens a phase's transaction holding the lock shared, in one round trip
-/// when no change of the fence holds the lock or waits for it (the lock is
-/// tried, never waited for: [`BEGIN_PHASE_AT_ONCE`]), in two when one does
-/// (the try fails, and the phase waits its turn: [`BEGIN_PHASE_WAITING`]).
-/// Either way the phase reads committed whatever the server's default, so
-/// the fence row its next statement reads is the one as of after the lock,
-/// and either way the lock is taken in the message's implicit transaction,
-/// which `BEGIN`, the message's last statement, then makes the phase's: a
-/// try that fails, or a wait that fails all the same, leaves nothing open.
-/// A ledger not yet migrated to 0011 has no `region_fence_busy()`: there
-/// every phase opens the waiting way, as it did before, and says so once.
-pub(super) async fn begin_phase(pool: &PgPool) -> Result<Transaction<'static, Postgres>, LedgerError> {
-    match pool.begin_with(BEGIN_PHASE_AT_ONCE).await {
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(BUSY) => {
-            Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
+/// Opens a ledger's phases: each transaction holding the lock shared, in
+/// one round trip when no change of the fence holds the lock or waits for
+/// it (the lock is tried, never waited for: [`BEGIN_PHASE_AT_ONCE`]), in
+/// two when one does (the try fails, and the phase waits its turn:
+/// [`BEGIN_PHASE_WAITING`]). Either way the phase reads committed whatever
+/// the server's default, so the fence row its next statement reads is the
+/// one as of after the lock, and either way the lock is taken in the
+/// message's implicit transaction, which `BEGIN`, the message's last
+/// statement, then makes the phase's: a try that fails, or a wait that
+/// fails all the same, leaves nothing open. A ledger not yet migrated to
+/// 0011 has no `region_fence_busy()`: once a try finds it missing, the
+/// handle's phases open the waiting way, as before, until it is made
+/// again (serve: until it restarts), and it says so once.
+#[derive(Debug, Default)]
+pub(super) struct Opener {
+    unmigrated: AtomicBool,
+}
+
+impl Opener {
+    pub(super) async fn begin(&self, pool: &PgPool) -> Result<Transaction<'static, Postgres>, LedgerError> {
+        if self.unmigrated.load(Ordering::Relaxed) {
+            return Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?);
         }
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNDEFINED_FUNCTION) => {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                tracing::warn!(error = %e, "the ledger lacks migration 0011: phases wait for the region fence's lock \
-                                            instead of trying it; run `keyfence migrate`");
-            });
-            Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
+        match pool.begin_with(BEGIN_PHASE_AT_ONCE).await {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(BUSY) => {
+                Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
+            }
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNDEFINED_FUNCTION) => {
+                if !self.unmigrated.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "the ledger lacks migration 0011: its phases wait for the region \
+                                                fence's lock instead of trying it first; run `keyfence migrate`");
+                }
+                Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
+            }
+            opened => Ok(opened?),
         }
-        opened => Ok(opened?),
     }
 }
 

@@ -570,7 +570,8 @@ async fn a_phase_queued_behind_a_fence_change_outlasts_a_statement_timeout_and_a
         tokio::time::sleep(Duration::from_millis(400)).await;
         sqlx::query_scalar::<_, bool>(
             "SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity
-              WHERE wait_event_type = 'Lock' AND query LIKE '%pg_advisory_xact_lock_shared%'",
+              WHERE datname = current_database() AND wait_event_type = 'Lock'
+                AND query LIKE '%pg_advisory_xact_lock_shared%'",
         )
         .fetch_one(db.ledger.pool())
         .await
@@ -669,6 +670,30 @@ async fn a_phase_that_opens_while_a_change_holds_the_fence_waits_and_reads_what_
     assert!(matches!(after, Err(LedgerError::RegionFailed(_))), "{after:?}");
     let (requests,): (i64,) = sqlx::query_as("SELECT count(*) FROM requests").fetch_one(ledger.pool()).await.unwrap();
     assert_eq!(requests, 0, "nothing committed after the change");
+}
+
+/// On a ledger without migration 0011 (an instance of this version started
+/// before `migrate` ran), phases still open, waiting for the fence's lock
+/// as before, and a failed region still refuses them.
+#[tokio::test]
+async fn phases_open_on_a_ledger_without_the_fences_try() {
+    let db = TestLedger::new().await;
+    sqlx::query("DROP FUNCTION region_fence_busy()").execute(db.ledger.pool()).await.unwrap();
+    let ledger = Ledger::connect(&db.settings).await.unwrap();
+    for _ in 0..2 {
+        let phase =
+            ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
+        phase.commit().await.unwrap();
+    }
+    db.ledger.set_region_fence(true, "r-1", 1, "failover").await.unwrap();
+    let after = ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await;
+    let after = match after {
+        Ok(phase) => phase.commit().await,
+        Err(e) => Err(e),
+    };
+    assert!(matches!(after, Err(LedgerError::RegionFailed(_))), "{after:?}");
+    let (requests,): (i64,) = sqlx::query_as("SELECT count(*) FROM requests").fetch_one(ledger.pool()).await.unwrap();
+    assert_eq!(requests, 2, "the two phases before the failover, and nothing after");
 }
 
 /// A ledger bound to its region refuses a change naming another one (an

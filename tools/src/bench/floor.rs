@@ -46,8 +46,13 @@ pub async fn fresh_ledger(settings: &LedgerSettings) -> anyhow::Result<(Ledger, 
     let name = format!("{}_floor", settings.database_url.database());
     let settings = LedgerSettings { database_url: settings.database_url.with_database(&name), ..settings.clone() };
     ledger::drop_database(&settings).await?;
-    let (ledger, _) = Ledger::migrate(&settings).await?;
-    Ok((ledger, settings))
+    match Ledger::migrate(&settings).await {
+        Ok((ledger, _)) => Ok((ledger, settings)),
+        Err(e) => {
+            let _ = ledger::drop_database(&settings).await;
+            Err(e.into())
+        }
+    }
 }
 
 /// The request a floor iteration stands for: the front door's `i`th.
