@@ -60,22 +60,19 @@ pub(super) struct Opener {
 
 impl Opener {
     pub(super) async fn begin(&self, pool: &PgPool) -> Result<Transaction<'static, Postgres>, LedgerError> {
-        if self.unmigrated.load(Ordering::Relaxed) {
-            return Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?);
-        }
-        match pool.begin_with(BEGIN_PHASE_AT_ONCE).await {
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(BUSY) => {
-                Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
-            }
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNDEFINED_FUNCTION) => {
-                if !self.unmigrated.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(error = %e, "the ledger lacks migration 0011: its phases wait for the region \
-                                                fence's lock instead of trying it first; run `keyfence migrate`");
+        if !self.unmigrated.load(Ordering::Relaxed) {
+            match pool.begin_with(BEGIN_PHASE_AT_ONCE).await {
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(BUSY) => {}
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNDEFINED_FUNCTION) => {
+                    if !self.unmigrated.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(error = %e, "the ledger lacks migration 0011: its phases wait for the region \
+                                                    fence's lock instead of trying it first; run `keyfence migrate`");
+                    }
                 }
-                Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
+                opened => return Ok(opened?),
             }
-            opened => Ok(opened?),
         }
+        Ok(pool.begin_with(BEGIN_PHASE_WAITING).await?)
     }
 }
 

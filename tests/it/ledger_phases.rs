@@ -668,8 +668,7 @@ async fn a_phase_that_opens_while_a_change_holds_the_fence_waits_and_reads_what_
     change.commit().await.unwrap();
     let after = queued.await.unwrap();
     assert!(matches!(after, Err(LedgerError::RegionFailed(_))), "{after:?}");
-    let (requests,): (i64,) = sqlx::query_as("SELECT count(*) FROM requests").fetch_one(ledger.pool()).await.unwrap();
-    assert_eq!(requests, 0, "nothing committed after the change");
+    assert_eq!(counts(&ledger).await.0, 0, "nothing committed after the change");
 }
 
 /// On a ledger without migration 0011 (an instance of this version started
@@ -686,14 +685,16 @@ async fn phases_open_on_a_ledger_without_the_fences_try() {
         phase.commit().await.unwrap();
     }
     db.ledger.set_region_fence(true, "r-1", 1, "failover").await.unwrap();
-    let after = ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await;
-    let after = match after {
-        Ok(phase) => phase.commit().await,
-        Err(e) => Err(e),
-    };
+    let after = async {
+        ledger
+            .begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE])
+            .await?
+            .commit()
+            .await
+    }
+    .await;
     assert!(matches!(after, Err(LedgerError::RegionFailed(_))), "{after:?}");
-    let (requests,): (i64,) = sqlx::query_as("SELECT count(*) FROM requests").fetch_one(ledger.pool()).await.unwrap();
-    assert_eq!(requests, 2, "the two phases before the failover, and nothing after");
+    assert_eq!(counts(&ledger).await.0, 2, "the two phases before the failover, and nothing after");
 }
 
 /// A ledger bound to its region refuses a change naming another one (an

@@ -19,6 +19,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use sqlx::Postgres;
+use sqlx::postgres::PgArguments;
+use sqlx::query::Query;
 use uuid::Uuid;
 
 use keyfence::config::LedgerSettings;
@@ -71,16 +74,16 @@ pub fn payment(i: usize) -> serde_json::Value {
 fn claim(client: ClientId, i: usize) -> Result<(Claim, PaymentRequest), String> {
     // As long as the front door's keys, which carry their run's id too.
     let key = format!("floor-{}-{i}", client.as_uuid().simple());
-    let key = ScopedKey::new(client, IdempotencyKey::parse(&key).map_err(|e| e.to_string())?);
+    let key = ScopedKey::new(client, IdempotencyKey::parse(&key).map_err(failed)?);
     let value = payment(i);
-    let canonical = serde_jcs::to_vec(&value).map_err(|e| e.to_string())?;
+    let canonical = serde_jcs::to_vec(&value).map_err(failed)?;
     let request_hash = RequestHash::of("POST", "/v1/payments", &canonical);
     let request = PaymentRequest::parse(value).map_err(|e| format!("{e:?}"))?;
     let now = Millis::now();
     let claim = Claim {
         key,
         request_hash,
-        request: serde_jcs::to_vec(&request).map_err(|e| e.to_string())?,
+        request: serde_jcs::to_vec(&request).map_err(failed)?,
         operation: "payment".into(),
         payment_id: Uuid::now_v7(),
         owner: Owner::attempt_of("bench"),
@@ -94,7 +97,7 @@ fn claim(client: ClientId, i: usize) -> Result<(Claim, PaymentRequest), String> 
 /// The irreducible work of one payment, with none of keyfence's logic.
 pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, String> {
     let (claim, request) = claim(client, i)?;
-    let item = floor.keys.claim(&claim).await.map_err(|e| e.to_string())?;
+    let item = floor.keys.claim(&claim).await.map_err(failed)?;
     let (id, created_at) = (claim.payment_id, ledger::timestamp(claim.lease.now));
     let amount = request.amount_minor;
     let debtor = format!("debtor:{}", request.debtor_account);
@@ -103,31 +106,30 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
     let entry = |from: &str, to: &str| (vec![from.to_owned(), to.to_owned()], vec![-amount, amount]);
 
     let (accounts, amounts) = entry(&debtor, &hold);
-    let mut tx = floor.ledger.pool().begin().await.map_err(failed)?;
-    sqlx::query(
-        "WITH payment AS (
+    transaction(
+        floor,
+        sqlx::query(
+            "WITH payment AS (
                 INSERT INTO payments (id, client_id, idem_key, request_created_at, amount_minor, currency,
                                       debtor_account, creditor_account, end_to_end_id, status, fence, created_at)
                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'pending', 1, $4) RETURNING id)
              INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
              SELECT payment.id, 'hold', account, amount, $6, 1
                FROM payment, unnest($10::text[], $11::bigint[]) AS leg(account, amount)",
+        )
+        .bind(id)
+        .bind(client.as_uuid())
+        .bind(claim.key.key.as_str())
+        .bind(created_at)
+        .bind(amount)
+        .bind(&request.currency)
+        .bind(&request.debtor_account)
+        .bind(&request.creditor_account)
+        .bind(&request.end_to_end_id)
+        .bind(accounts)
+        .bind(amounts),
     )
-    .bind(id)
-    .bind(client.as_uuid())
-    .bind(claim.key.key.as_str())
-    .bind(created_at)
-    .bind(amount)
-    .bind(&request.currency)
-    .bind(&request.debtor_account)
-    .bind(&request.creditor_account)
-    .bind(&request.end_to_end_id)
-    .bind(accounts)
-    .bind(amounts)
-    .execute(&mut *tx)
-    .await
-    .map_err(failed)?;
-    tx.commit().await.map_err(failed)?;
+    .await?;
 
     let instruction = Instruction {
         originator: client.to_string(),
@@ -139,19 +141,18 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
     };
     send(&floor.e1, &instruction).await?;
     let (accounts, amounts) = entry(&hold, "clearing:rail");
-    let mut tx = floor.ledger.pool().begin().await.map_err(failed)?;
-    sqlx::query(
-        "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
+    transaction(
+        floor,
+        sqlx::query(
+            "INSERT INTO postings (payment_id, entry, account, amount_minor, currency, fence)
              SELECT $1, 'clear', account, amount, $2, 1 FROM unnest($3::text[], $4::bigint[]) AS leg(account, amount)",
+        )
+        .bind(id)
+        .bind(&request.currency)
+        .bind(accounts)
+        .bind(amounts),
     )
-    .bind(id)
-    .bind(&request.currency)
-    .bind(accounts)
-    .bind(amounts)
-    .execute(&mut *tx)
-    .await
-    .map_err(failed)?;
-    tx.commit().await.map_err(failed)?;
+    .await?;
 
     let reference = send(&floor.e2, &instruction).await?;
     let payment = Payment {
@@ -167,14 +168,15 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
         reason: None,
         created_at,
     };
-    let body = serde_json::to_vec(&payment).map_err(|e| e.to_string())?;
-    let mut event = serde_json::to_value(&payment).map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(&payment).map_err(failed)?;
+    let mut event = serde_json::to_value(&payment).map_err(failed)?;
     event["debtor_account"] = webhooks::masked(&payment.debtor_account).into();
     event["creditor_account"] = webhooks::masked(&payment.creditor_account).into();
     let (accounts, amounts) = entry("clearing:rail", &creditor);
-    let mut tx = floor.ledger.pool().begin().await.map_err(failed)?;
-    sqlx::query(
-        "WITH settled AS (
+    transaction(
+        floor,
+        sqlx::query(
+            "WITH settled AS (
                 UPDATE payments SET status = 'succeeded', rail_reference = $2, updated_at = now()
                  WHERE id = $1 RETURNING id),
              posted AS (
@@ -184,19 +186,17 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
              INSERT INTO outbox (event_id, client_id, payment_id, event, payload)
              VALUES ($6, $7, $1, 'payment.succeeded', $8)
              ON CONFLICT (payment_id, event) DO NOTHING",
+        )
+        .bind(id)
+        .bind(&reference)
+        .bind(&request.currency)
+        .bind(accounts)
+        .bind(amounts)
+        .bind(webhooks::event_id(id, "payment.succeeded"))
+        .bind(client.as_uuid())
+        .bind(event),
     )
-    .bind(id)
-    .bind(&reference)
-    .bind(&request.currency)
-    .bind(accounts)
-    .bind(amounts)
-    .bind(webhooks::event_id(id, "payment.succeeded"))
-    .bind(client.as_uuid())
-    .bind(event)
-    .execute(&mut *tx)
-    .await
-    .map_err(failed)?;
-    tx.commit().await.map_err(failed)?;
+    .await?;
 
     let response = StoredResponse {
         status: 201,
@@ -207,7 +207,7 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
         body,
     };
     let finish = Finish { response, expires_at: claim.lease.now.plus(Duration::from_secs(3600)) };
-    floor.keys.finish(&claim.key, &item.holder(), &finish).await.map_err(|e| e.to_string())?;
+    floor.keys.finish(&claim.key, &item.holder(), &finish).await.map_err(failed)?;
     Ok(200)
 }
 
@@ -220,6 +220,13 @@ pub async fn replay_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u1
         Ok(_) => Err("the key did not exist".into()),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// `BEGIN`, the one statement `write` is, `COMMIT`.
+async fn transaction(floor: &Floor, write: Query<'_, Postgres, PgArguments>) -> Result<(), String> {
+    let mut tx = floor.ledger.pool().begin().await.map_err(failed)?;
+    write.execute(&mut *tx).await.map_err(failed)?;
+    tx.commit().await.map_err(failed)
 }
 
 fn failed(e: impl std::fmt::Display) -> String {
