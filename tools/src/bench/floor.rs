@@ -46,7 +46,7 @@ pub struct Floor {
 /// The floor's own ledger beside serve's (`settings`' database, `_floor`
 /// appended), made afresh.
 pub async fn fresh_ledger(settings: &LedgerSettings) -> anyhow::Result<(Ledger, LedgerSettings)> {
-    let name = format!("{}_floor", settings.database_url.database());
+    let name = floor_database(settings.database_url.database())?;
     let settings = LedgerSettings { database_url: settings.database_url.with_database(&name), ..settings.clone() };
     ledger::drop_database(&settings).await?;
     match Ledger::migrate(&settings).await {
@@ -56,6 +56,22 @@ pub async fn fresh_ledger(settings: &LedgerSettings) -> anyhow::Result<(Ledger, 
             Err(e.into())
         }
     }
+}
+
+/// The longest name PostgreSQL keeps whole (`NAMEDATALEN` - 1): a longer
+/// one is cut to this many bytes without a word.
+const LONGEST_NAME: usize = 63;
+
+/// The floor's database name for a ledger named `ledger`, refused when
+/// PostgreSQL would cut it short, since a cut name could be the ledger's
+/// own, which the floor drops and makes afresh.
+fn floor_database(ledger: &str) -> anyhow::Result<String> {
+    let name = format!("{ledger}_floor");
+    anyhow::ensure!(
+        name.len() <= LONGEST_NAME,
+        "the ledger's database name is too long to name the floor's beside it ({name:?} is over {LONGEST_NAME} bytes)"
+    );
+    Ok(name)
 }
 
 /// The request a floor iteration stands for: the front door's `i`th.
@@ -239,5 +255,20 @@ async fn send(rail: &RailClient, instruction: &Instruction) -> Result<String, St
         CallOutcome::Settled(Verdict::Applied(applied)) => Ok(applied.reference),
         CallOutcome::Settled(Verdict::Declined(declined)) => Err(format!("declined: {}", declined.reason)),
         CallOutcome::NotApplied(why) | CallOutcome::Unknown(why) => Err(why),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_floor_database_name_postgresql_would_cut_short_is_refused() {
+        assert_eq!(floor_database("keyfence").unwrap(), "keyfence_floor");
+        let longest = "k".repeat(LONGEST_NAME - "_floor".len());
+        assert_eq!(floor_database(&longest).unwrap().len(), LONGEST_NAME);
+        // Cut to 63 bytes, this one's floor would be the ledger itself.
+        assert!(floor_database(&"k".repeat(LONGEST_NAME)).is_err());
+        assert!(floor_database(&format!("{longest}k")).is_err());
     }
 }
