@@ -203,6 +203,14 @@ impl Ledger {
         .await?)
     }
 
+    /// Whether any message is pending (`inbox_pending`, a partial index of
+    /// pending messages only).
+    pub async fn inbox_pending(&self) -> Result<bool, LedgerError> {
+        Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE state = 'pending')")
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
     /// Ends verdicts that wait for an outcome recorded meanwhile (they
     /// arrived as it was being recorded, too late to be marked by it), and
     /// keeps for the reconciler those nobody took up within an hour (their

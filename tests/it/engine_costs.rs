@@ -6,7 +6,8 @@
 //! transaction a payment makes 9 round trips to PostgreSQL); a replay is
 //! one claim whose failure carries
 //! the answer, or nothing at all in an instance that already knows the
-//! answer.
+//! answer. An idle instance's inbox and webhook rounds ask one question
+//! each.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,6 +24,7 @@ use keyfence::operations::PaymentOperation;
 use keyfence::rail::RailClient;
 use keyfence::regions::{RegionStore, RegionView};
 use keyfence::startup::REGION_VIEW_AGE;
+use keyfence::webhooks::deliveries::Deliveries;
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::prelude::*;
 use uuid::Uuid;
@@ -156,16 +158,8 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
         RailClient::new("screening", &e1.url, Duration::from_secs(2), 3),
         RailClient::new("payment", &e2.url, Duration::from_secs(2), 3),
     ]);
-    let settings = EngineSettings {
-        region: "test-1".into(),
-        instance: "test".into(),
-        lease: Duration::from_secs(30),
-        retention: keyfence::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
-        max_unknown_attempts: 5,
-        probe_backoff: keyfence::domain::ProbeBackoff { first: Duration::ZERO, max: Duration::ZERO },
-        answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
-    };
-    let regions = RegionView::new(RegionStore::new(keys.store.client().clone(), keys.store.table()), REGION_VIEW_AGE);
+    let settings = settings();
+    let regions = regions_of(&keys);
     let other = Engine::new(
         Counting { inner: keys.store.clone(), calls: Mutex::default() },
         db.ledger.clone(),
@@ -187,18 +181,11 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
     // on first use) are read already, as they are on a serving instance.
     engine.submit(submit("cost-0")).await.unwrap();
     engine.keys().take();
-    // The test's runtime runs every task on this thread, so a subscriber of
-    // this thread's sees every statement the payment sends.
-    let statements = Statements::default();
-    let only_statements = Targets::new().with_target("sqlx::query", tracing::Level::TRACE);
-    let counting_statements = tracing_subscriber::registry().with(statements.clone().with_filter(only_statements));
-    let first = {
-        let _counting = tracing::subscriber::set_default(counting_statements);
-        engine.submit(submit("cost-1")).await.unwrap()
-    };
+    let (first, statements) = statements_of(engine.submit(submit("cost-1"))).await;
+    let first = first.unwrap();
     assert!(matches!(&first, Answer::Final { replayed: false, .. }), "{first:?}");
     assert_eq!(engine.keys().take(), BTreeMap::from([("claim", 1), ("finish", 1)]));
-    assert_eq!(statements.0.load(Ordering::Relaxed), 6, "PostgreSQL statements for the whole payment");
+    assert_eq!(statements, 6, "PostgreSQL statements for the whole payment");
 
     // Another instance replays with one claim whose failure carries the answer...
     let replay = other.submit(submit("cost-1")).await.unwrap();
@@ -222,4 +209,69 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
         .await
         .unwrap();
     assert_eq!(points, 7, "every recovery point was still recorded");
+}
+
+/// An idle instance's background rounds each ask PostgreSQL one question
+/// of a partial index (is any message pending, is any delivery due) and go
+/// no further: their reads join partitioned tables and are planned afresh
+/// every time, on every instance, every second.
+#[tokio::test]
+async fn idle_inbox_and_webhook_rounds_ask_postgresql_one_statement_each() {
+    let keys = TestKeys::new().await;
+    let db = TestLedger::new().await;
+    let engine = Engine::new(keys.store.clone(), db.ledger.clone(), Rails::new([]), regions_of(&keys), settings());
+    let deliveries = Deliveries::new(db.ledger.pool().clone());
+
+    let ((), inbox) = statements_of(keyfence::inbox::worker::round(&engine)).await;
+    assert_eq!(inbox, 1, "statements of an inbox round with nothing pending");
+    let (taken, webhooks) = statements_of(deliveries.take(8, Duration::from_secs(30), &[], 2)).await;
+    assert!(taken.unwrap().is_empty());
+    assert_eq!(webhooks, 1, "statements of a webhook take with nothing due");
+
+    // With a message pending, the round reads on: this one has waited over
+    // an hour for an owner, and is kept for the reconciler.
+    sqlx::query(
+        "INSERT INTO inbox (rail, message_id, kind, derived_key, body, state, received_at)
+         VALUES ('e1', 'late', 'applied', gen_random_uuid(), '{}', 'pending', now() - interval '2 hours')",
+    )
+    .execute(db.ledger.pool())
+    .await
+    .unwrap();
+    let ((), inbox) = statements_of(keyfence::inbox::worker::round(&engine)).await;
+    assert!(inbox > 1, "a round with a message pending reads on ({inbox} statements)");
+    let state: String = sqlx::query_scalar("SELECT state FROM inbox WHERE message_id = 'late'")
+        .fetch_one(db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(state, "unknown");
+}
+
+fn settings() -> EngineSettings {
+    EngineSettings {
+        region: "test-1".into(),
+        instance: "test".into(),
+        lease: Duration::from_secs(30),
+        retention: keyfence::domain::Retention { keep: Duration::from_secs(3600), grace: Duration::from_secs(600) },
+        max_unknown_attempts: 5,
+        probe_backoff: keyfence::domain::ProbeBackoff { first: Duration::ZERO, max: Duration::ZERO },
+        answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
+    }
+}
+
+fn regions_of(keys: &TestKeys) -> RegionView {
+    RegionView::new(RegionStore::new(keys.store.client().clone(), keys.store.table()), REGION_VIEW_AGE)
+}
+
+/// What `work` gives, and how many statements sqlx sent to PostgreSQL for
+/// it. The test's runtime runs every task on this thread, so a subscriber
+/// of this thread's sees every statement.
+async fn statements_of<T>(work: impl std::future::Future<Output = T>) -> (T, usize) {
+    let statements = Statements::default();
+    let only_statements = Targets::new().with_target("sqlx::query", tracing::Level::TRACE);
+    let counting = tracing_subscriber::registry().with(statements.clone().with_filter(only_statements));
+    let done = {
+        let _counting = tracing::subscriber::set_default(counting);
+        work.await
+    };
+    (done, statements.0.load(Ordering::Relaxed))
 }
