@@ -116,6 +116,8 @@ pub async fn record_unknown_attempt(
 
 /// Gives up guessing: the outcome of `step` is indeterminate until the
 /// external system answers or settlement against its statement decides.
+/// Its next probe stays set (an unknown attempt set it), which is what
+/// lists it among the calls in doubt ([`super::Ledger::indeterminate`]).
 pub async fn mark_indeterminate(
     conn: &mut PgConnection,
     request: &RequestRecord,
@@ -123,7 +125,7 @@ pub async fn mark_indeterminate(
     fence: Fence,
 ) -> Result<(), LedgerError> {
     sqlx::query(
-        "UPDATE external_calls SET outcome = 'indeterminate', fence = $5
+        "UPDATE external_calls SET outcome = 'indeterminate', fence = $5, next_probe_at = coalesce(next_probe_at, now())
           WHERE client_id = $1 AND idem_key = $2 AND request_created_at = $3 AND step = $4",
     )
     .bind(request.key.client.as_uuid())
@@ -177,14 +179,16 @@ impl super::Ledger {
         Ok(rows.into_iter().collect())
     }
 
-    /// Every external call currently marked indeterminate, oldest first.
+    /// Every external call currently marked indeterminate, oldest first,
+    /// read through the index of calls in doubt (those with a next probe
+    /// set), not from every call in the retention.
     pub async fn indeterminate(&self) -> Result<Vec<Indeterminate>, LedgerError> {
         Ok(sqlx::query_as(
             "SELECT c.client_id, c.idem_key, r.payment_id, c.step, c.derived_key, c.attempts, c.last_attempt_at,
                     c.request_created_at AS created_at
                FROM external_calls c
                JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
-              WHERE c.outcome = 'indeterminate'
+              WHERE c.next_probe_at IS NOT NULL AND c.outcome = 'indeterminate'
               ORDER BY c.last_attempt_at",
         )
         .fetch_all(&self.pool)

@@ -32,6 +32,7 @@ mod inbox;
 mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
+mod ledger_indexes;
 mod ledger_phases;
 mod ledger_tls;
 mod lost_replies;
