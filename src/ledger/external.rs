@@ -157,10 +157,15 @@ pub struct Indeterminate {
 impl super::Ledger {
     /// Of `requests` (client, key, first claimed), those parked until a
     /// probe that is not yet due: the recovery worker leaves them alone.
+    /// With none to ask about, PostgreSQL is not asked (planning the join
+    /// over the partitions costs a few milliseconds, every sweep).
     pub async fn parked_until_later(
         &self,
         requests: &[(uuid::Uuid, String, Millis)],
     ) -> Result<HashSet<(uuid::Uuid, String)>, LedgerError> {
+        if requests.is_empty() {
+            return Ok(HashSet::new());
+        }
         let clients: Vec<uuid::Uuid> = requests.iter().map(|r| r.0).collect();
         let keys: Vec<&str> = requests.iter().map(|r| r.1.as_str()).collect();
         let created: Vec<time::OffsetDateTime> = requests.iter().map(|r| timestamp(r.2)).collect();

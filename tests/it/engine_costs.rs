@@ -6,8 +6,8 @@
 //! transaction a payment makes 9 round trips to PostgreSQL); a replay is
 //! one claim whose failure carries
 //! the answer, or nothing at all in an instance that already knows the
-//! answer. An idle instance's inbox and webhook rounds ask one question
-//! each.
+//! answer. An idle instance's inbox and webhook rounds and recovery sweep
+//! ask one question each.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -212,9 +212,9 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
 }
 
 /// An idle instance's background rounds each ask PostgreSQL one question
-/// of a partial index (is any message pending, is any delivery due) and go
-/// no further: their reads join partitioned tables and are planned afresh
-/// every time, on every instance, every second.
+/// of an index (is any message pending, is any delivery due, which calls
+/// are in doubt) and go no further: their reads join partitioned tables and
+/// are planned afresh every time, on every instance, every round.
 #[tokio::test]
 async fn idle_inbox_and_webhook_rounds_ask_postgresql_one_statement_each() {
     let keys = TestKeys::new().await;
@@ -227,6 +227,10 @@ async fn idle_inbox_and_webhook_rounds_ask_postgresql_one_statement_each() {
     let (taken, webhooks) = statements_of(deliveries.take(8, Duration::from_secs(30), &[], 2)).await;
     assert!(taken.unwrap().is_empty());
     assert_eq!(webhooks, 1, "statements of a webhook take with nothing due");
+    let (report, recovery) =
+        statements_of(keyfence::recovery::sweep(&engine, keyfence::recovery::Scope::Worker, |_| {}, || {})).await;
+    assert_eq!(report.found, 0);
+    assert_eq!(recovery, 1, "statements of a recovery sweep with nothing stale: the list of calls in doubt");
 
     // With a message pending, the round reads on: this one has waited over
     // an hour for an owner, and is kept for the reconciler.
