@@ -62,7 +62,9 @@ impl CallWrites<'_> {
 /// table, or the request's partition of it). Notifications waiting in the inbox
 /// for the same instruction take effect with the verdict: one of the same
 /// verdict is marked applied, one that contradicts it is kept for the
-/// reconciler.
+/// reconciler. A call with a verdict has no next probe, so it leaves the
+/// index of calls in doubt (a call never parked had none: its update
+/// stays heap-only).
 pub(super) fn call_writes(calls: &str, fence: u8, first: u8) -> String {
     let [steps, keys, verdict_steps, outcomes, results] = std::array::from_fn(|i| first + i as u8);
     format!(
@@ -71,7 +73,8 @@ pub(super) fn call_writes(calls: &str, fence: u8, first: u8) -> String {
         SELECT $1, $2, $3, step, key, ${fence}, 'sent' FROM unnest(${steps}::text[], ${keys}::uuid[]) AS i(step, key)
          WHERE EXISTS (SELECT 1 FROM moved)),
      verdict AS (
-        UPDATE {calls} c SET outcome = v.outcome, result = v.result, fence = ${fence}, done_at = now()
+        UPDATE {calls} c SET outcome = v.outcome, result = v.result, fence = ${fence}, done_at = now(),
+                             next_probe_at = NULL
           FROM unnest(${verdict_steps}::text[], ${outcomes}::text[], ${results}::jsonb[]) AS v(step, outcome, result)
          WHERE c.client_id = $1 AND c.idem_key = $2 AND c.request_created_at = $3 AND c.step = v.step
            AND EXISTS (SELECT 1 FROM moved)

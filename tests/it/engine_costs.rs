@@ -6,7 +6,7 @@
 //! transaction a payment makes 9 round trips to PostgreSQL); a replay is
 //! one claim whose failure carries
 //! the answer, or nothing at all in an instance that already knows the
-//! answer. An idle instance's inbox and webhook rounds and recovery sweep
+//! answer. An idle instance's inbox round, webhook take and recovery sweep
 //! ask one question each.
 
 use std::collections::BTreeMap;
@@ -211,12 +211,13 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
     assert_eq!(points, 7, "every recovery point was still recorded");
 }
 
-/// An idle instance's background rounds each ask PostgreSQL one question
-/// of an index (is any message pending, is any delivery due, which calls
-/// are in doubt) and go no further: their reads join partitioned tables and
-/// are planned afresh every time, on every instance, every round.
+/// With nothing to do, an inbox round, a webhook take and a recovery sweep
+/// each ask PostgreSQL one question of an index (is any message pending,
+/// is any delivery due, which calls are in doubt) and go no further: the
+/// reads they skip join partitioned tables and are planned afresh every
+/// time, on every instance.
 #[tokio::test]
-async fn idle_inbox_and_webhook_rounds_ask_postgresql_one_statement_each() {
+async fn idle_rounds_ask_one_question_before_their_joins() {
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
     let engine = Engine::new(keys.store.clone(), db.ledger.clone(), Rails::new([]), regions_of(&keys), settings());

@@ -61,6 +61,11 @@ async fn a_silent_rail_parks_the_payment_until_it_answers_again() {
     .await;
     assert_eq!(payment_status(&app, &location).await, "succeeded");
     assert!(app.db.ledger.indeterminate().await.unwrap().is_empty(), "settled calls leave the list");
+    let probes_left: i64 = sqlx::query_scalar("SELECT count(*) FROM external_calls WHERE next_probe_at IS NOT NULL")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(probes_left, 0, "and the index of calls in doubt");
 
     let retry = app.pay("silent-1", &body).await;
     assert_eq!(retry.status(), StatusCode::CREATED);
