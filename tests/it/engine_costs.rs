@@ -6,8 +6,8 @@
 //! transaction a payment makes 9 round trips to PostgreSQL); a replay is
 //! one claim whose failure carries
 //! the answer, or nothing at all in an instance that already knows the
-//! answer. An idle instance's inbox round, webhook take and recovery sweep
-//! ask one question each.
+//! answer. An idle instance's inbox round and webhook take ask one
+//! question each, and its recovery sweep one statement.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -211,13 +211,13 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
     assert_eq!(points, 7, "every recovery point was still recorded");
 }
 
-/// With nothing to do, an inbox round, a webhook take and a recovery sweep
-/// each ask PostgreSQL one question of an index (is any message pending,
-/// is any delivery due, which calls are in doubt) and go no further: the
-/// reads they skip join partitioned tables and are planned afresh every
-/// time, on every instance.
+/// With nothing to do, an inbox round and a webhook take each ask
+/// PostgreSQL one question of an index (is any message pending, is any
+/// delivery due) and go no further, and a recovery sweep sends only its
+/// list of the calls in doubt: the reads they skip join partitioned tables
+/// and are planned afresh every time, on every instance.
 #[tokio::test]
-async fn idle_rounds_ask_one_question_before_their_joins() {
+async fn idle_rounds_skip_the_joins_they_have_no_use_for() {
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
     let engine = Engine::new(keys.store.clone(), db.ledger.clone(), Rails::new([]), regions_of(&keys), settings());
