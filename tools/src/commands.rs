@@ -8,9 +8,9 @@ use clap::Args;
 use keyfence::clients::ClientStore;
 use keyfence::config::{KeyStoreSettings, LedgerSettings, RailSettings};
 use keyfence::domain::ApiKey;
-use keyfence::keystore::{self, DynamoKeyStore};
+use keyfence::keystore;
 use keyfence::ledger;
-use keyfence::rail::{self, RailClient};
+use keyfence::rail;
 use keyfence::startup::shutdown_signal;
 
 use crate::bench;
@@ -110,16 +110,10 @@ pub async fn rail_sim(args: RailSimArgs) -> anyhow::Result<()> {
 }
 
 pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let keys = DynamoKeyStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
     let (ledger, settings) = bench::floor::fresh_ledger(&args.ledger).await.context("making the floor's own ledger")?;
-    let floor = bench::floor::Floor {
-        keys,
-        ledger,
-        e1: RailClient::new("screening", &args.rails.e1_url, args.rails.rail_timeout, args.rails.rail_attempts),
-        e2: RailClient::new("payment", &args.rails.e2_url, args.rails.rail_timeout, args.rails.rail_attempts),
-    };
-    let swept = sweep(&args, &floor).await;
-    floor.ledger.pool().close().await;
+    ledger.pool().close().await;
+    let stores = bench::floor::Stores { keys: args.keys.clone(), ledger: settings.clone(), rails: args.rails.clone() };
+    let swept = sweep(&args, &stores).await;
     let dropped = ledger::drop_database(&settings).await.context("dropping the floor's own ledger");
     match (swept, dropped) {
         (Err(e), Err(also)) => {
@@ -131,7 +125,21 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
 }
 
 /// Every run of the front door and its floors, then their summary and plots.
-async fn sweep(args: &BenchArgs, floor: &bench::floor::Floor) -> anyhow::Result<()> {
+/// The floors' clients are closed before it returns.
+async fn sweep(args: &BenchArgs, stores: &bench::floor::Stores) -> anyhow::Result<()> {
+    let floor = bench::floor::Floor::connect(stores).await.context("connecting the floor")?;
+    let served = bench::http_floor::HttpFloor::start(stores.clone())?;
+    let swept = runs(args, &floor, &served).await;
+    drop(served);
+    floor.ledger.pool().close().await;
+    swept
+}
+
+async fn runs(
+    args: &BenchArgs,
+    floor: &bench::floor::Floor,
+    served: &bench::http_floor::HttpFloor,
+) -> anyhow::Result<()> {
     let api_key = ApiKey::generate();
     let store = ClientStore::new(keystore::connect(&args.keys).await?, args.keys.table.clone());
     let bench = store.add("bench", &api_key).await.context("creating the bench client")?;
@@ -150,7 +158,7 @@ async fn sweep(args: &BenchArgs, floor: &bench::floor::Floor) -> anyhow::Result<
                 concurrency,
                 floors_first: repeat % 2 == 1,
             };
-            let report = bench::front_door::run(&plan, floor).await;
+            let report = bench::front_door::run(&plan, floor, served).await;
             println!("run {} of {}", repeat + 1, args.repeat.max(1));
             print!("{}", report.table());
             for figures in report.front_door() {
@@ -163,12 +171,13 @@ async fn sweep(args: &BenchArgs, floor: &bench::floor::Floor) -> anyhow::Result<
                     );
                 }
             }
-            for figures in [&report.floor, &report.replay_floor] {
-                if figures.failures > 0 {
+            for figures in report.floors() {
+                if figures.failures > 0 || figures.statuses.keys().any(|&status| status >= 300) {
                     anyhow::bail!(
-                        "{} failed {} times (see the warnings): there is nothing to measure against",
+                        "{} failed {} times and answered {:?} (see the warnings): there is nothing to measure against",
                         figures.label,
-                        figures.failures
+                        figures.failures,
+                        figures.statuses
                     );
                 }
             }

@@ -1,5 +1,6 @@
 //! CPU time as Linux's `/proc` counts it, in its 10 ms ticks (the unit
-//! serve's own `process_cpu_seconds_total` has too): this process's, every
+//! serve's own `process_cpu_seconds_total` has too): this process's, one
+//! thread's, every
 //! PostgreSQL server process's together, and the whole machine's busy time.
 //! Read before and after a measurement, they say what each request cost
 //! beyond serve's own CPU.
@@ -9,7 +10,13 @@ const USER_HZ: f64 = 100.0;
 
 /// This process's CPU seconds so far (user and system).
 pub fn own_seconds() -> Option<f64> {
-    process_seconds(&std::fs::read_to_string("/proc/self/stat").ok()?).map(|(_, seconds)| seconds)
+    stat_seconds(std::path::Path::new("/proc/self/stat"))
+}
+
+/// The CPU seconds so far of the process or thread whose `stat` file
+/// this is (`/proc/<pid>/stat`, `/proc/self/task/<tid>/stat`).
+pub fn stat_seconds(path: &std::path::Path) -> Option<f64> {
+    process_seconds(&std::fs::read_to_string(path).ok()?).map(|(_, seconds)| seconds)
 }
 
 /// The CPU seconds of every process named `postgres` so far: the server

@@ -24,11 +24,11 @@ use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use uuid::Uuid;
 
-use keyfence::config::LedgerSettings;
+use keyfence::config::{KeyStoreSettings, LedgerSettings, RailSettings};
 use keyfence::domain::{
     ClientId, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey, StoredResponse,
 };
-use keyfence::keystore::{Claim, DynamoKeyStore, Finish, KeyStore, KeyStoreError, Lease};
+use keyfence::keystore::{self, Claim, DynamoKeyStore, Finish, KeyStore, KeyStoreError, Lease};
 use keyfence::ledger::payments::Payment;
 use keyfence::ledger::{self, Ledger};
 use keyfence::rail::{CallOutcome, Instruction, RailClient, Verdict};
@@ -41,6 +41,28 @@ pub struct Floor {
     pub ledger: Ledger,
     pub e1: RailClient,
     pub e2: RailClient,
+}
+
+/// Where a floor's clients connect: the stack's key store and rails, and
+/// the floor's own ledger ([`fresh_ledger`]).
+#[derive(Clone)]
+pub struct Stores {
+    pub keys: KeyStoreSettings,
+    pub ledger: LedgerSettings,
+    pub rails: RailSettings,
+}
+
+impl Floor {
+    /// Clients of their own, as serve makes them at start-up.
+    pub async fn connect(stores: &Stores) -> anyhow::Result<Self> {
+        let rails = &stores.rails;
+        Ok(Self {
+            keys: DynamoKeyStore::new(keystore::connect(&stores.keys).await?, stores.keys.table.clone()),
+            ledger: Ledger::connect(&stores.ledger).await?,
+            e1: RailClient::new("screening", &rails.e1_url, rails.rail_timeout, rails.rail_attempts),
+            e2: RailClient::new("payment", &rails.e2_url, rails.rail_timeout, rails.rail_attempts),
+        })
+    }
 }
 
 /// The floor's own ledger beside serve's (`settings`' database, `_floor`
@@ -110,8 +132,9 @@ fn claim(client: ClientId, i: usize) -> Result<(Claim, PaymentRequest), String> 
     Ok((claim, request))
 }
 
-/// The irreducible work of one payment, with none of keyfence's logic.
-pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, String> {
+/// The irreducible work of one payment, with none of keyfence's logic;
+/// the answer it stored.
+pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<StoredResponse, String> {
     let (claim, request) = claim(client, i)?;
     let item = floor.keys.claim(&claim).await.map_err(failed)?;
     let (id, created_at) = (claim.payment_id, ledger::timestamp(claim.lease.now));
@@ -224,15 +247,16 @@ pub async fn payment_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u
     };
     let finish = Finish { response, expires_at: claim.lease.now.plus(Duration::from_secs(3600)) };
     floor.keys.finish(&claim.key, &item.holder(), &finish).await.map_err(failed)?;
-    Ok(200)
+    Ok(finish.response)
 }
 
 /// One key-store round trip of the kind a replay makes: a claim of a key
-/// that exists (the payment floor made it), answered with the item.
-pub async fn replay_loop(floor: &Floor, client: ClientId, i: usize) -> Result<u16, String> {
+/// that exists (the payment floor made it), answered with the item; the
+/// answer the item holds.
+pub async fn replay_loop(floor: &Floor, client: ClientId, i: usize) -> Result<StoredResponse, String> {
     let (claim, _) = claim(client, i)?;
     match floor.keys.claim(&claim).await {
-        Err(KeyStoreError::Taken(Some(_))) => Ok(200),
+        Err(KeyStoreError::Taken(Some(item))) => item.response.ok_or_else(|| "the key was not finished".into()),
         Ok(_) => Err("the key did not exist".into()),
         Err(e) => Err(e.to_string()),
     }

@@ -5,13 +5,15 @@
 //! the same run it measures the two floors of [`super::floor`]: a bare
 //! loop doing only what a payment must do, and one key-store round trip of
 //! the kind a replay makes on an instance that has not seen its answer, so
-//! the front door's own overhead is the ratio of each pair. CPU per
-//! request is the working process's: serve's from its own `/metrics`
+//! the front door's own overhead is the ratio of each pair; and both floors
+//! again behind HTTP ([`super::http_floor`]), which splits that overhead
+//! into what HTTP costs and what keyfence's own work does. CPU per request
+//! is the working process's: serve's from its own `/metrics`
 //! (`process_cpu_seconds_total`), the floors' from this process's
-//! `/proc/self/stat`, each read before and after its phase, with
-//! PostgreSQL's and the whole machine's beside them ([`super::cpu`]).
-//! Figures go to a JSON file and a table on stdout; a progress bar shows
-//! on a terminal.
+//! `/proc/self/stat`, the HTTP floors' from their server's threads, each
+//! read before and after its phase, with PostgreSQL's and the whole
+//! machine's beside them ([`super::cpu`]). Figures go to a JSON file and a
+//! table on stdout; a progress bar shows on a terminal.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -26,6 +28,7 @@ use uuid::Uuid;
 use keyfence::domain::ClientId;
 
 use super::floor::{self, Floor};
+use super::http_floor::HttpFloor;
 use super::{cpu, percentile};
 
 /// Where and how hard to push.
@@ -81,6 +84,11 @@ pub struct Report {
     pub cold_replays: Option<Figures>,
     pub floor: Figures,
     pub replay_floor: Figures,
+    /// The floor loop behind HTTP ([`super::http_floor`]), with its
+    /// server's CPU per iteration.
+    pub http_floor: Figures,
+    /// The replay floor behind HTTP.
+    pub http_replay_floor: Figures,
 }
 
 impl Report {
@@ -119,6 +127,37 @@ impl Report {
     pub fn cold_cpu_over_floor(&self) -> Option<f64> {
         cpu(self.cold_replays.as_ref()?, &self.replay_floor)
     }
+
+    /// The floor behind HTTP's throughput over the floor's: what HTTP alone
+    /// leaves of the floor's rate.
+    pub fn http_floor_over_floor(&self) -> f64 {
+        throughput(&self.http_floor, &self.floor)
+    }
+
+    /// Its p50 latency over the floor's.
+    pub fn http_floor_p50_over_floor(&self) -> f64 {
+        self.http_floor.p50_ms / self.floor.p50_ms.max(f64::EPSILON)
+    }
+
+    /// Its server's CPU per iteration over the floor loop's.
+    pub fn http_floor_cpu_over_floor(&self) -> Option<f64> {
+        cpu(&self.http_floor, &self.floor)
+    }
+
+    /// The replay floor behind HTTP's throughput over the replay floor's.
+    pub fn http_replay_floor_over_floor(&self) -> f64 {
+        throughput(&self.http_replay_floor, &self.replay_floor)
+    }
+
+    /// Its server's CPU per replay over the replay floor's.
+    pub fn http_replay_floor_cpu_over_floor(&self) -> Option<f64> {
+        cpu(&self.http_replay_floor, &self.replay_floor)
+    }
+
+    /// Every floor measured, in the order its table shows them.
+    pub fn floors(&self) -> [&Figures; 4] {
+        [&self.floor, &self.replay_floor, &self.http_floor, &self.http_replay_floor]
+    }
 }
 
 fn throughput(a: &Figures, floor: &Figures) -> f64 {
@@ -129,17 +168,16 @@ fn cpu(a: &Figures, floor: &Figures) -> Option<f64> {
     Some(a.cpu_ms_per_request? / floor.cpu_ms_per_request?.max(f64::EPSILON))
 }
 
-/// Runs the five measurements at one concurrency.
-pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
-    let client = ClientId::generate();
+/// Runs the seven measurements at one concurrency.
+pub async fn run(plan: &BenchPlan, stack: &Floor, served: &HttpFloor) -> Report {
     let (front, floors) = if plan.floors_first {
-        let first = floors(plan, stack, client).await;
+        let first = floors(plan, stack, served).await;
         (front_door(plan).await, first)
     } else {
         let first = front_door(plan).await;
-        (first, floors(plan, stack, client).await)
+        (first, floors(plan, stack, served).await)
     };
-    let ((payments, replays, cold_replays), (floor, replay_floor)) = (front, floors);
+    let ((payments, replays, cold_replays), [floor, replay_floor, http_floor, http_replay_floor]) = (front, floors);
     Report {
         requests: plan.requests,
         concurrency: plan.concurrency,
@@ -148,6 +186,8 @@ pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
         cold_replays,
         floor,
         replay_floor,
+        http_floor,
+        http_replay_floor,
     }
 }
 
@@ -156,14 +196,7 @@ pub async fn run(plan: &BenchPlan, stack: &Floor) -> Report {
 async fn front_door(plan: &BenchPlan) -> (Figures, Figures, Option<Figures>) {
     let http = reqwest::Client::new();
     let batch = Uuid::new_v4().simple().to_string();
-    let send = |to: &Instance, i: usize| {
-        let request = http
-            .post(format!("{}/v1/payments", to.url))
-            .bearer_auth(&plan.api_key)
-            .header("Idempotency-Key", format!("bench-{batch}-{i}"))
-            .json(&floor::payment(i));
-        async move { request.send().await.map(|r| r.status().as_u16()).map_err(|e| e.to_string()) }
-    };
+    let send = |to: &Instance, i: usize| post(&http, plan, format!("{}/v1/payments", to.url), &batch, i);
     let payments = against(&http, plan, &plan.serve, "payments", |i| send(&plan.serve, i)).await;
     let replays = against(&http, plan, &plan.serve, "replays", |i| send(&plan.serve, i)).await;
     let cold_replays = match &plan.cold {
@@ -171,6 +204,28 @@ async fn front_door(plan: &BenchPlan) -> (Figures, Figures, Option<Figures>) {
         None => None,
     };
     (payments, replays, cold_replays)
+}
+
+/// A payment request as the front door gets one, to `url`: its status.
+fn post(
+    http: &reqwest::Client,
+    plan: &BenchPlan,
+    url: String,
+    batch: &str,
+    i: usize,
+) -> impl Future<Output = Result<u16, String>> + use<> {
+    let request = http
+        .post(url)
+        .bearer_auth(&plan.api_key)
+        .header("Idempotency-Key", format!("bench-{batch}-{i}"))
+        .json(&floor::payment(i));
+    async move {
+        let response = request.send().await.map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        // The whole answer is read, as a client reads it.
+        response.bytes().await.map_err(|e| e.to_string())?;
+        Ok(status)
+    }
 }
 
 /// `send` measured against one instance, with its CPU per request.
@@ -192,15 +247,30 @@ where
 }
 
 /// The floor loop and the replay floor over the floor's own keys, with
-/// this process's CPU per iteration.
-async fn floors(plan: &BenchPlan, stack: &Floor, client: ClientId) -> (Figures, Figures) {
+/// this process's CPU per iteration; then both again behind HTTP, over
+/// keys of their own, with their server's CPU per iteration.
+async fn floors(plan: &BenchPlan, stack: &Floor, served: &HttpFloor) -> [Figures; 4] {
+    let client = ClientId::generate();
+    let done = |outcome: Result<_, String>| outcome.map(|_| 200);
     let before = cpu::own_seconds();
-    let mut floor = measure("floor", plan, |i| floor::payment_loop(stack, client, i)).await;
+    let mut floor = measure("floor", plan, |i| async move { done(floor::payment_loop(stack, client, i).await) }).await;
     let between = cpu::own_seconds();
-    let mut replay_floor = measure("replay floor", plan, |i| floor::replay_loop(stack, client, i)).await;
+    let mut replay_floor =
+        measure("replay floor", plan, |i| async move { done(floor::replay_loop(stack, client, i).await) }).await;
     floor.cpu_ms_per_request = per_request(before, between, floor.requests);
     replay_floor.cpu_ms_per_request = per_request(between, cpu::own_seconds(), replay_floor.requests);
-    (floor, replay_floor)
+
+    let (http, client, batch) = (reqwest::Client::new(), ClientId::generate(), Uuid::new_v4().simple().to_string());
+    let before = served.cpu_seconds();
+    let mut http_floor =
+        measure("floor over HTTP", plan, |i| post(&http, plan, served.iteration(client, false, i), &batch, i)).await;
+    let between = served.cpu_seconds();
+    let mut http_replay_floor =
+        measure("replay floor over HTTP", plan, |i| post(&http, plan, served.iteration(client, true, i), &batch, i))
+            .await;
+    http_floor.cpu_ms_per_request = per_request(before, between, http_floor.requests);
+    http_replay_floor.cpu_ms_per_request = per_request(between, served.cpu_seconds(), http_replay_floor.requests);
+    [floor, replay_floor, http_floor, http_replay_floor]
 }
 
 /// CPU milliseconds per request between two readings of CPU seconds.
@@ -282,13 +352,13 @@ impl Report {
     pub fn table(&self) -> String {
         let mut out = format!("{} requests at concurrency {}\n", self.requests, self.concurrency);
         out += &format!(
-            "{:<13} {:>9} {:>9} {:>9} {:>8} {:>12} {:>8} {:>8}  statuses\n",
+            "{:<22} {:>9} {:>9} {:>9} {:>8} {:>12} {:>8} {:>8}  statuses\n",
             "", "req/s", "p50 ms", "p99 ms", "failed", "cpu ms/req", "pg ms", "all ms"
         );
-        for f in self.front_door().chain([&self.floor, &self.replay_floor]) {
+        for f in self.front_door().chain(self.floors()) {
             let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.3}"));
             out += &format!(
-                "{:<13} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12} {:>8} {:>8}  {:?}\n",
+                "{:<22} {:>9.1} {:>9.2} {:>9.2} {:>8} {:>12} {:>8} {:>8}  {:?}\n",
                 f.label,
                 f.per_second,
                 f.p50_ms,
@@ -310,6 +380,15 @@ impl Report {
             self.replays_over_floor(),
             or_dash(self.cold_replays_over_floor()),
             or_dash(self.cold_cpu_over_floor()),
+        );
+        out += &format!(
+            "behind HTTP: the floor {:.2}x the floor's throughput, p50 {:.2}x, CPU {}; the replay floor {:.2}x \
+             (CPU {}) the replay floor's\n",
+            self.http_floor_over_floor(),
+            self.http_floor_p50_over_floor(),
+            or_dash(self.http_floor_cpu_over_floor()),
+            self.http_replay_floor_over_floor(),
+            or_dash(self.http_replay_floor_cpu_over_floor()),
         );
         out
     }

@@ -1,6 +1,7 @@
 //! Benchmarks, as subcommands that write their figures to a file:
 //! [`front_door`] measures payments and replays against a running stack and
-//! against the [`floor`] of their store and rail calls; [`summary`] takes the median of
+//! against the [`floor`] of their store and rail calls, bare and
+//! [behind HTTP](http_floor); [`summary`] takes the median of
 //! its repeated runs and judges them against the targets; [`reconcile`]
 //! measures how fast the reconciler compares and repairs, at several table
 //! sizes; [`plot`] draws the front door's figures against concurrency;
@@ -9,6 +10,7 @@
 pub mod cpu;
 pub mod floor;
 pub mod front_door;
+pub mod http_floor;
 pub mod plot;
 pub mod reconcile;
 pub mod summary;

@@ -38,6 +38,7 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                     series: vec![
                         Series { label: "payments", colour: BLUE, value: |r| Some(r.payments.per_second) },
                         Series { label: "floor", colour: CYAN, value: |r| Some(r.floor.per_second) },
+                        Series { label: "floor over HTTP", colour: GREEN, value: |r| Some(r.http_floor.per_second) },
                     ],
                 },
                 Panel {
@@ -49,6 +50,11 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                             value: |r| Some(r.cold_replays.as_ref()?.per_second),
                         },
                         Series { label: "replay floor", colour: MAGENTA, value: |r| Some(r.replay_floor.per_second) },
+                        Series {
+                            label: "replay floor over HTTP",
+                            colour: GREEN,
+                            value: |r| Some(r.http_replay_floor.per_second),
+                        },
                     ],
                 },
             ],
@@ -62,6 +68,7 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                     series: vec![
                         Series { label: "payments (serve)", colour: BLUE, value: |r| cpu(&r.payments) },
                         Series { label: "floor (its loop)", colour: CYAN, value: |r| cpu(&r.floor) },
+                        Series { label: "floor over HTTP (its server)", colour: GREEN, value: |r| cpu(&r.http_floor) },
                     ],
                 },
                 Panel {
@@ -70,6 +77,11 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                         Series { label: "cold replays (serve)", colour: RED, value: |r| cpu(r.cold_replays.as_ref()?) },
                         Series { label: "from memory (serve)", colour: GREEN, value: |r| cpu(&r.replays) },
                         Series { label: "replay floor (its loop)", colour: MAGENTA, value: |r| cpu(&r.replay_floor) },
+                        Series {
+                            label: "replay floor over HTTP (its server)",
+                            colour: YELLOW,
+                            value: |r| cpu(&r.http_replay_floor),
+                        },
                     ],
                 },
             ],
@@ -84,6 +96,16 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                         Series { label: "throughput", colour: BLUE, value: |r| Some(r.payments_over_floor()) },
                         Series { label: "p50 latency", colour: CYAN, value: |r| Some(r.p50_over_floor()) },
                         Series { label: "CPU", colour: BLACK, value: Report::cpu_over_floor },
+                        Series {
+                            label: "floor over HTTP: throughput",
+                            colour: GREEN,
+                            value: |r| Some(r.http_floor_over_floor()),
+                        },
+                        Series {
+                            label: "floor over HTTP: CPU",
+                            colour: MAGENTA,
+                            value: Report::http_floor_cpu_over_floor,
+                        },
                     ],
                 },
                 Panel {
@@ -91,6 +113,16 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                     series: vec![
                         Series { label: "throughput", colour: RED, value: Report::cold_replays_over_floor },
                         Series { label: "CPU", colour: BLACK, value: Report::cold_cpu_over_floor },
+                        Series {
+                            label: "replay floor over HTTP: throughput",
+                            colour: GREEN,
+                            value: |r| Some(r.http_replay_floor_over_floor()),
+                        },
+                        Series {
+                            label: "replay floor over HTTP: CPU",
+                            colour: MAGENTA,
+                            value: Report::http_replay_floor_cpu_over_floor,
+                        },
                     ],
                 },
             ],
@@ -211,6 +243,8 @@ mod tests {
             cold_replays: Some(figures("cold replays", 300.0 * concurrency as f64)),
             floor: figures("floor", 100.0 * concurrency as f64),
             replay_floor: figures("replay floor", 320.0 * concurrency as f64),
+            http_floor: figures("floor over HTTP", 95.0 * concurrency as f64),
+            http_replay_floor: figures("replay floor over HTTP", 310.0 * concurrency as f64),
         }
     }
 

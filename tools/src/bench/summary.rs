@@ -26,13 +26,13 @@ impl Sweep {
     /// The summary table and the targets, for people.
     pub fn table(&self) -> String {
         let mut out = String::from("medians of each concurrency's runs (min-max)\n");
-        out += &format!("{:<30}", "ratio");
+        out += &format!("{:<40}", "ratio");
         for s in &self.summary {
             out += &format!(" {:>20}", format!("c={} ({} runs)", s.concurrency, s.runs));
         }
         out += "\n";
         for ratio in &RATIOS {
-            out += &format!("{:<30}", ratio.name);
+            out += &format!("{:<40}", ratio.name);
             for s in &self.summary {
                 let cell = s.spread(ratio).map_or_else(|| "-".to_owned(), |x| x.to_string());
                 out += &format!(" {cell:>20}");
@@ -164,13 +164,22 @@ const fn at_most(bound: f64, at: Option<usize>) -> Option<Target> {
 }
 
 /// Every ratio the bench reports, in the order its tables show them.
-pub const RATIOS: [Ratio; 6] = [
+pub const RATIOS: [Ratio; 11] = [
     Ratio { name: "payments/floor throughput", value: |r| Some(r.payments_over_floor()), target: at_least(0.95) },
     Ratio { name: "payments/floor p50", value: |r| Some(r.p50_over_floor()), target: at_most(1.10, Some(1)) },
     Ratio { name: "payments/floor CPU", value: Report::cpu_over_floor, target: at_most(1.25, None) },
     Ratio { name: "cold replays/floor throughput", value: Report::cold_replays_over_floor, target: at_least(0.95) },
     Ratio { name: "cold replays/floor CPU", value: Report::cold_cpu_over_floor, target: at_most(1.25, None) },
     Ratio { name: "memory replays/floor throughput", value: |r| Some(r.replays_over_floor()), target: None },
+    Ratio { name: "floor over HTTP/floor throughput", value: |r| Some(r.http_floor_over_floor()), target: None },
+    Ratio { name: "floor over HTTP/floor p50", value: |r| Some(r.http_floor_p50_over_floor()), target: None },
+    Ratio { name: "floor over HTTP/floor CPU", value: Report::http_floor_cpu_over_floor, target: None },
+    Ratio {
+        name: "replay floor over HTTP/floor throughput",
+        value: |r| Some(r.http_replay_floor_over_floor()),
+        target: None,
+    },
+    Ratio { name: "replay floor over HTTP/floor CPU", value: Report::http_replay_floor_cpu_over_floor, target: None },
 ];
 
 #[cfg(test)]
