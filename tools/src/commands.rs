@@ -127,10 +127,11 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
 /// Every run of the front door and its floors, then their summary and plots.
 /// The floors' clients are closed before it returns.
 async fn sweep(args: &BenchArgs, stores: &bench::floor::Stores) -> anyhow::Result<()> {
-    let floor = bench::floor::Floor::connect(stores).await.context("connecting the floor")?;
-    let served = bench::http_floor::HttpFloor::start(stores.clone())?;
-    let swept = runs(args, &floor, &served).await;
-    drop(served);
+    let floor = bench::floor::Floor::connect(stores).await?;
+    let swept = match bench::http_floor::HttpFloor::start(stores.clone()).context("starting the floor behind HTTP") {
+        Ok(served) => runs(args, &floor, &served).await,
+        Err(e) => Err(e),
+    };
     floor.ledger.pool().close().await;
     swept
 }

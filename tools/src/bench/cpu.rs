@@ -1,7 +1,7 @@
 //! CPU time as Linux's `/proc` counts it, in its 10 ms ticks (the unit
-//! serve's own `process_cpu_seconds_total` has too): this process's, one
-//! thread's, every
-//! PostgreSQL server process's together, and the whole machine's busy time.
+//! serve's own `process_cpu_seconds_total` has too): this process's or one
+//! of its threads', every PostgreSQL server process's together, and the
+//! whole machine's busy time.
 //! Read before and after a measurement, they say what each request cost
 //! beyond serve's own CPU.
 
@@ -14,7 +14,7 @@ pub fn own_seconds() -> Option<f64> {
 }
 
 /// The CPU seconds so far of the process or thread whose `stat` file
-/// this is (`/proc/<pid>/stat`, `/proc/self/task/<tid>/stat`).
+/// this is (`/proc/<pid>/stat`, `/proc/<pid>/task/<tid>/stat`).
 pub fn stat_seconds(path: &std::path::Path) -> Option<f64> {
     process_seconds(&std::fs::read_to_string(path).ok()?).map(|(_, seconds)| seconds)
 }

@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use anyhow::Context;
 use sqlx::Postgres;
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
@@ -56,9 +57,10 @@ impl Floor {
     /// Clients of their own, as serve makes them at start-up.
     pub async fn connect(stores: &Stores) -> anyhow::Result<Self> {
         let rails = &stores.rails;
+        let keys = keystore::connect(&stores.keys).await.context("connecting the floor's key store")?;
         Ok(Self {
-            keys: DynamoKeyStore::new(keystore::connect(&stores.keys).await?, stores.keys.table.clone()),
-            ledger: Ledger::connect(&stores.ledger).await?,
+            keys: DynamoKeyStore::new(keys, stores.keys.table.clone()),
+            ledger: Ledger::connect(&stores.ledger).await.context("connecting the floor's ledger")?,
             e1: RailClient::new("screening", &rails.e1_url, rails.rail_timeout, rails.rail_attempts),
             e2: RailClient::new("payment", &rails.e2_url, rails.rail_timeout, rails.rail_attempts),
         })

@@ -1,15 +1,17 @@
 //! The floors behind HTTP: each iteration of [`super::floor`]'s loops
 //! asked for by a request like the front door's (the same headers and
-//! body) and answered with the answer the iteration stored or found, by a
-//! server of serve's make (axum on a runtime of one worker) on threads of
-//! its own in this process, whose CPU is counted apart from the bench's.
-//! Beside the floors, it says what HTTP alone adds to the same work; beside
-//! payments and cold replays, what keyfence's own logic adds to HTTP and
-//! that work. It checks no API key and reads no idempotency key: its keys
-//! are the floor's own, by the client and index in its path.
+//! body) and answered with the answer the iteration stored or found, by
+//! serve's own HTTP server ([`keyfence::http::server::serve`], on a runtime
+//! sized as serve's is, by `TOKIO_WORKER_THREADS`) on threads of its own in
+//! this process, whose CPU is counted apart from the bench's. Its throughput
+//! and latency beside the floors' say what HTTP costs the same work; its
+//! server's CPU beside serve's, what keyfence's own work costs on top of
+//! HTTP and the store calls. It checks no API key and reads no idempotency
+//! key: its keys are the floor's own, by the client and index in its path.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 use axum::Router;
@@ -18,6 +20,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use keyfence::http::server::{self, Limits};
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
@@ -28,34 +31,58 @@ use super::floor::{self, Floor, Stores};
 
 /// The running server: where it listens, and the threads it runs on.
 pub struct HttpFloor {
-    pub url: String,
-    /// `/proc/self/task/<tid>/stat` of each of the runtime's threads.
-    threads: Arc<Mutex<Vec<PathBuf>>>,
+    url: String,
+    threads: Arc<Mutex<Threads>>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
+
+/// The runtime's threads: the `stat` file of each one running, and the
+/// CPU seconds of those that have ended.
+#[derive(Default)]
+struct Threads {
+    running: Vec<PathBuf>,
+    ended: f64,
+}
+
+/// What serve answers with by default, but for the connections from one
+/// address, which the bench's client needs all of (as `scripts/bench` lets
+/// serve's be).
+const LIMITS: Limits = Limits {
+    header_read: Duration::from_secs(10),
+    body_read: Duration::from_secs(10),
+    max_connections: 1024,
+    per_address: 1024,
+    requests_per_connection: 1000,
+    max_age: Duration::from_secs(60),
+};
 
 impl HttpFloor {
     /// Connects clients of its own to `stores` and listens on a free
     /// loopback port.
     pub fn start(stores: Stores) -> anyhow::Result<Self> {
-        let threads = Arc::new(Mutex::new(Vec::new()));
-        let seen = threads.clone();
+        let threads = Arc::new(Mutex::new(Threads::default()));
+        let (started, stopped) = (threads.clone(), threads.clone());
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
             .thread_name("http-floor")
             .on_thread_start(move || {
-                if let (Ok(me), Ok(mut all)) = (std::fs::read_link("/proc/thread-self"), seen.lock()) {
-                    all.push(PathBuf::from("/proc").join(me).join("stat"));
+                if let (Some(me), Ok(mut threads)) = (this_thread(), started.lock()) {
+                    threads.running.push(me);
+                }
+            })
+            .on_thread_stop(move || {
+                if let (Some(me), Ok(mut threads)) = (this_thread(), stopped.lock()) {
+                    threads.ended += cpu::stat_seconds(&me).unwrap_or(0.0);
+                    threads.running.retain(|path| *path != me);
                 }
             })
             .enable_all()
             .build()
             .context("starting the HTTP floor's runtime")?;
         let (ready, listening) = std::sync::mpsc::channel();
-        let (stop, stopped) = oneshot::channel();
+        let (stop, stopping) = oneshot::channel();
         let thread = std::thread::spawn(move || {
-            // Spawned, not run here: the accept loop runs on the worker, whose CPU is counted.
+            // Spawned, not run here: the server runs on the runtime's threads, whose CPU is counted.
             let served = runtime.spawn(async move {
                 let started = async {
                     let floor = Floor::connect(&stores).await?;
@@ -73,13 +100,14 @@ impl HttpFloor {
                 let app = Router::new()
                     .route("/{client}/payments/{i}", post(payment))
                     .route("/{client}/replays/{i}", post(replay))
-                    .with_state(floor);
-                let serving = axum::serve(listener, app).with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                });
-                if let Err(e) = serving.await {
+                    .with_state(floor.clone());
+                let shutdown = async {
+                    let _ = stopping.await;
+                };
+                if let Err(e) = server::serve(listener, app, LIMITS, shutdown).await {
                     tracing::warn!(error = %e, "the HTTP floor stopped serving");
                 }
+                floor.ledger.pool().close().await;
             });
             let _ = runtime.block_on(served);
         });
@@ -87,11 +115,12 @@ impl HttpFloor {
         Ok(Self { url: format!("http://{addr}"), threads, stop: Some(stop), thread: Some(thread) })
     }
 
-    /// The CPU seconds its runtime's threads have spent so far (a thread
-    /// that has ended counts nothing).
+    /// The CPU seconds its runtime's threads have spent so far, or none if
+    /// they cannot be read.
     pub fn cpu_seconds(&self) -> Option<f64> {
         let threads = self.threads.lock().ok()?;
-        Some(threads.iter().filter_map(|stat| cpu::stat_seconds(stat)).sum())
+        let running: Option<f64> = threads.running.iter().map(|stat| cpu::stat_seconds(stat)).sum();
+        Some(threads.ended + running.filter(|_| !threads.running.is_empty())?)
     }
 
     /// The URL of one iteration of the payment floor or the replay floor.
@@ -99,6 +128,11 @@ impl HttpFloor {
         let loop_ = if replay { "replays" } else { "payments" };
         format!("{}/{}/{loop_}/{i}", self.url, client.as_uuid())
     }
+}
+
+/// The `stat` file of the calling thread (`/proc/<pid>/task/<tid>/stat`).
+fn this_thread() -> Option<PathBuf> {
+    Some(PathBuf::from("/proc").join(std::fs::read_link("/proc/thread-self").ok()?).join("stat"))
 }
 
 impl Drop for HttpFloor {
@@ -128,11 +162,15 @@ async fn replay(
     answer(floor::replay_loop(&floor, ClientId::new(client), i).await)
 }
 
-/// The stored answer as the front door sends one, or why there is none.
+/// The stored answer as the front door sends one, or why there is none
+/// (logged too, since the bench reads no failed answer's body).
 fn answer(outcome: Result<StoredResponse, String>) -> Response {
     let stored = match outcome {
         Ok(stored) => stored,
-        Err(why) => return (StatusCode::INTERNAL_SERVER_ERROR, why).into_response(),
+        Err(why) => {
+            tracing::warn!(error = %why, "an HTTP floor iteration failed");
+            return (StatusCode::INTERNAL_SERVER_ERROR, why).into_response();
+        }
     };
     let mut response = Response::builder().status(stored.status);
     for (name, value) in &stored.headers {
@@ -162,10 +200,33 @@ mod tests {
         url
     }
 
+    /// Removes the test's key table and floor ledger when dropped, whether
+    /// the test passed or panicked.
+    struct Made {
+        keys: KeyStoreSettings,
+        ledger: LedgerSettings,
+    }
+
+    impl Drop for Made {
+        fn drop(&mut self) {
+            let (keys, ledger) = (self.keys.clone(), self.ledger.clone());
+            // The test's runtime is blocked here: the removal gets one of its own.
+            let removed = std::thread::spawn(move || {
+                tokio::runtime::Runtime::new().unwrap().block_on(async {
+                    let _ = ledger::drop_database(&ledger).await;
+                    if let Ok(client) = keystore::connect(&keys).await {
+                        let _ = keystore::delete_table(&client, &keys.table).await;
+                    }
+                })
+            });
+            let _ = removed.join();
+        }
+    }
+
     /// Against the stores `scripts/test` starts: a request makes one
     /// payment's business records and stores its answer, which the request
-    /// and its replay are both answered with, and the server's own threads
-    /// are counted.
+    /// and its replay are both answered with, and the CPU counted is the
+    /// server's own threads'.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_payment_and_its_replay_over_http_do_the_floors_work_and_answer_what_it_stored() {
         let mut keys = KeyStoreSettings::from_env().expect("key store settings from the environment");
@@ -177,6 +238,7 @@ mod tests {
         ledger.database_url = ledger.database_url.with_database(&format!("keyfence_test_{}", Uuid::new_v4().simple()));
         let (floor_ledger, ledger) =
             floor::fresh_ledger(&ledger).await.expect("a floor ledger (is PostgreSQL running?)");
+        let _made = Made { keys: keys.clone(), ledger: ledger.clone() };
         let rails = RailSettings {
             e1_url: rail("e1").await,
             e2_url: rail("e2").await,
@@ -184,8 +246,7 @@ mod tests {
             rail_attempts: 1,
         };
 
-        let served = HttpFloor::start(Stores { keys: keys.clone(), ledger: ledger.clone(), rails }).unwrap();
-        assert!(served.cpu_seconds().is_some(), "the server's threads are readable");
+        let served = HttpFloor::start(Stores { keys, ledger, rails }).unwrap();
         let (http, payer) = (reqwest::Client::new(), ClientId::generate());
         let ask = |replay| http.post(served.iteration(payer, replay, 7)).json(&floor::payment(7)).send();
         let first = ask(false).await.unwrap();
@@ -208,24 +269,37 @@ mod tests {
         .unwrap();
         assert_eq!(written, (1, 6, 1), "one payment, its three entries of two legs, its event");
 
+        let counted: Vec<String> = served.threads.lock().unwrap().running.iter().map(|stat| name(stat)).collect();
+        assert!(!counted.is_empty() && counted.iter().all(|n| n == "http-floor"), "counted threads: {counted:?}");
+        assert!(served.cpu_seconds().is_some());
         drop(served);
         floor_ledger.pool().close().await;
-        ledger::drop_database(&ledger).await.unwrap();
-        keystore::delete_table(&client, &keys.table).await.unwrap();
+    }
+
+    /// The command name in a `stat` file.
+    fn name(stat: &std::path::Path) -> String {
+        let text = std::fs::read_to_string(stat).unwrap();
+        text[text.find('(').unwrap() + 1..text.rfind(')').unwrap()].to_owned()
     }
 
     #[test]
     fn a_floor_whose_ledger_cannot_be_reached_does_not_start() {
-        let mut ledger = LedgerSettings::from_env().expect("ledger settings from the environment");
-        ledger.database_url = "postgres://postgres@127.0.0.1:1/nowhere".parse().unwrap();
-        let mut keys = KeyStoreSettings::from_env().expect("key store settings from the environment");
-        keys.aws_region.get_or_insert_with(|| "us-east-1".to_owned());
+        let keys = KeyStoreSettings {
+            table: "keyfence-unused".into(),
+            aws_endpoint_url: Some("http://127.0.0.1:1".into()),
+            aws_region: Some("us-east-1".into()),
+            dummy_credentials: true,
+            max_attempts: None,
+            attempt_timeout: Duration::from_secs(1),
+        };
+        let ledger = LedgerSettings::remote("postgres://postgres@127.0.0.1:1/nowhere".parse().unwrap());
         let rails = RailSettings {
             e1_url: "http://127.0.0.1:1".into(),
             e2_url: "http://127.0.0.1:1".into(),
             rail_timeout: Duration::from_secs(1),
             rail_attempts: 1,
         };
-        assert!(HttpFloor::start(Stores { keys, ledger, rails }).is_err());
+        let refused = HttpFloor::start(Stores { keys, ledger, rails }).err().expect("no server without its ledger");
+        assert!(format!("{refused:#}").contains("connecting the floor's ledger"), "{refused:#}");
     }
 }

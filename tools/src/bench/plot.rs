@@ -18,6 +18,9 @@ pub struct PlotError {
     reason: String,
 }
 
+/// The colour of the floors behind HTTP, and of ratios over them.
+const BEHIND_HTTP: RGBColor = RGBColor(230, 120, 0);
+
 /// One line of a plot: a label, a colour, and a figure read off each run.
 struct Series {
     label: &'static str,
@@ -38,7 +41,11 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                     series: vec![
                         Series { label: "payments", colour: BLUE, value: |r| Some(r.payments.per_second) },
                         Series { label: "floor", colour: CYAN, value: |r| Some(r.floor.per_second) },
-                        Series { label: "floor over HTTP", colour: GREEN, value: |r| Some(r.http_floor.per_second) },
+                        Series {
+                            label: "floor over HTTP",
+                            colour: BEHIND_HTTP,
+                            value: |r| Some(r.http_floor.per_second),
+                        },
                     ],
                 },
                 Panel {
@@ -52,7 +59,7 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                         Series { label: "replay floor", colour: MAGENTA, value: |r| Some(r.replay_floor.per_second) },
                         Series {
                             label: "replay floor over HTTP",
-                            colour: GREEN,
+                            colour: BEHIND_HTTP,
                             value: |r| Some(r.http_replay_floor.per_second),
                         },
                     ],
@@ -68,7 +75,11 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                     series: vec![
                         Series { label: "payments (serve)", colour: BLUE, value: |r| cpu(&r.payments) },
                         Series { label: "floor (its loop)", colour: CYAN, value: |r| cpu(&r.floor) },
-                        Series { label: "floor over HTTP (its server)", colour: GREEN, value: |r| cpu(&r.http_floor) },
+                        Series {
+                            label: "floor over HTTP (its server)",
+                            colour: BEHIND_HTTP,
+                            value: |r| cpu(&r.http_floor),
+                        },
                     ],
                 },
                 Panel {
@@ -79,7 +90,7 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                         Series { label: "replay floor (its loop)", colour: MAGENTA, value: |r| cpu(&r.replay_floor) },
                         Series {
                             label: "replay floor over HTTP (its server)",
-                            colour: YELLOW,
+                            colour: BEHIND_HTTP,
                             value: |r| cpu(&r.http_replay_floor),
                         },
                     ],
@@ -97,14 +108,14 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                         Series { label: "p50 latency", colour: CYAN, value: |r| Some(r.p50_over_floor()) },
                         Series { label: "CPU", colour: BLACK, value: Report::cpu_over_floor },
                         Series {
-                            label: "floor over HTTP: throughput",
-                            colour: GREEN,
-                            value: |r| Some(r.http_floor_over_floor()),
+                            label: "throughput over the floor behind HTTP's",
+                            colour: BEHIND_HTTP,
+                            value: |r| Some(r.payments_over_http_floor()),
                         },
                         Series {
-                            label: "floor over HTTP: CPU",
+                            label: "CPU over the floor behind HTTP's",
                             colour: MAGENTA,
-                            value: Report::http_floor_cpu_over_floor,
+                            value: Report::cpu_over_http_floor,
                         },
                     ],
                 },
@@ -114,14 +125,14 @@ pub fn draw(runs: &[Report], dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
                         Series { label: "throughput", colour: RED, value: Report::cold_replays_over_floor },
                         Series { label: "CPU", colour: BLACK, value: Report::cold_cpu_over_floor },
                         Series {
-                            label: "replay floor over HTTP: throughput",
-                            colour: GREEN,
-                            value: |r| Some(r.http_replay_floor_over_floor()),
+                            label: "throughput over the replay floor behind HTTP's",
+                            colour: BEHIND_HTTP,
+                            value: Report::cold_replays_over_http_floor,
                         },
                         Series {
-                            label: "replay floor over HTTP: CPU",
+                            label: "CPU over the replay floor behind HTTP's",
                             colour: MAGENTA,
-                            value: Report::http_replay_floor_cpu_over_floor,
+                            value: Report::cold_cpu_over_http_floor,
                         },
                     ],
                 },

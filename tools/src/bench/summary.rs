@@ -164,7 +164,7 @@ const fn at_most(bound: f64, at: Option<usize>) -> Option<Target> {
 }
 
 /// Every ratio the bench reports, in the order its tables show them.
-pub const RATIOS: [Ratio; 11] = [
+pub const RATIOS: [Ratio; 13] = [
     Ratio { name: "payments/floor throughput", value: |r| Some(r.payments_over_floor()), target: at_least(0.95) },
     Ratio { name: "payments/floor p50", value: |r| Some(r.p50_over_floor()), target: at_most(1.10, Some(1)) },
     Ratio { name: "payments/floor CPU", value: Report::cpu_over_floor, target: at_most(1.25, None) },
@@ -173,13 +173,19 @@ pub const RATIOS: [Ratio; 11] = [
     Ratio { name: "memory replays/floor throughput", value: |r| Some(r.replays_over_floor()), target: None },
     Ratio { name: "floor over HTTP/floor throughput", value: |r| Some(r.http_floor_over_floor()), target: None },
     Ratio { name: "floor over HTTP/floor p50", value: |r| Some(r.http_floor_p50_over_floor()), target: None },
-    Ratio { name: "floor over HTTP/floor CPU", value: Report::http_floor_cpu_over_floor, target: None },
     Ratio {
         name: "replay floor over HTTP/floor throughput",
         value: |r| Some(r.http_replay_floor_over_floor()),
         target: None,
     },
-    Ratio { name: "replay floor over HTTP/floor CPU", value: Report::http_replay_floor_cpu_over_floor, target: None },
+    Ratio { name: "payments/floor over HTTP throughput", value: |r| Some(r.payments_over_http_floor()), target: None },
+    Ratio { name: "payments/floor over HTTP CPU", value: Report::cpu_over_http_floor, target: None },
+    Ratio {
+        name: "cold replays/floor over HTTP throughput",
+        value: Report::cold_replays_over_http_floor,
+        target: None,
+    },
+    Ratio { name: "cold replays/floor over HTTP CPU", value: Report::cold_cpu_over_http_floor, target: None },
 ];
 
 #[cfg(test)]
