@@ -28,7 +28,7 @@ use uuid::Uuid;
 use keyfence::domain::ClientId;
 
 use super::floor::{self, Floor};
-use super::http_floor::HttpFloor;
+use super::http_floor::{HttpFloor, Loop};
 use super::{cpu, percentile};
 
 /// Where and how hard to push.
@@ -284,11 +284,13 @@ async fn http_floors(plan: &BenchPlan, served: &HttpFloor) -> [Figures; 2] {
     let (http, client, batch) = (reqwest::Client::new(), ClientId::generate(), Uuid::new_v4().simple().to_string());
     let before = served.cpu_seconds();
     let mut floor =
-        measure("floor over HTTP", plan, |i| post(&http, plan, served.iteration(client, false, i), &batch, i)).await;
-    let between = served.cpu_seconds();
-    let mut replay_floor =
-        measure("replay floor over HTTP", plan, |i| post(&http, plan, served.iteration(client, true, i), &batch, i))
+        measure("floor over HTTP", plan, |i| post(&http, plan, served.iteration(client, Loop::Payments, i), &batch, i))
             .await;
+    let between = served.cpu_seconds();
+    let mut replay_floor = measure("replay floor over HTTP", plan, |i| {
+        post(&http, plan, served.iteration(client, Loop::Replays, i), &batch, i)
+    })
+    .await;
     floor.cpu_ms_per_request = per_request(before, between, floor.requests);
     replay_floor.cpu_ms_per_request = per_request(between, served.cpu_seconds(), replay_floor.requests);
     [floor, replay_floor]

@@ -97,10 +97,7 @@ impl HttpFloor {
                     }
                 };
                 let _ = ready.send(listener.local_addr().map_err(Into::into));
-                let app = Router::new()
-                    .route("/{client}/payments/{i}", post(payment))
-                    .route("/{client}/replays/{i}", post(replay))
-                    .with_state(floor.clone());
+                let app = Router::new().route("/{client}/{loop}/{i}", post(iteration)).with_state(floor.clone());
                 let shutdown = async {
                     let _ = stopping.await;
                 };
@@ -124,9 +121,12 @@ impl HttpFloor {
     }
 
     /// The URL of one iteration of the payment floor or the replay floor.
-    pub fn iteration(&self, client: ClientId, replay: bool, i: usize) -> String {
-        let loop_ = if replay { "replays" } else { "payments" };
-        format!("{}/{}/{loop_}/{i}", self.url, client.as_uuid())
+    pub fn iteration(&self, client: ClientId, which: Loop, i: usize) -> String {
+        let which = match which {
+            Loop::Payments => "payments",
+            Loop::Replays => "replays",
+        };
+        format!("{}/{}/{which}/{i}", self.url, client.as_uuid())
     }
 }
 
@@ -146,20 +146,24 @@ impl Drop for HttpFloor {
     }
 }
 
-async fn payment(
-    State(floor): State<Arc<Floor>>,
-    Path((client, i)): Path<(Uuid, usize)>,
-    axum::Json(_): axum::Json<serde_json::Value>,
-) -> Response {
-    answer(floor::payment_loop(&floor, ClientId::new(client), i).await)
+/// Which of the floor's loops an iteration is, as its path names it.
+#[derive(Clone, Copy, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Loop {
+    Payments,
+    Replays,
 }
 
-async fn replay(
+async fn iteration(
     State(floor): State<Arc<Floor>>,
-    Path((client, i)): Path<(Uuid, usize)>,
+    Path((client, which, i)): Path<(Uuid, Loop, usize)>,
     axum::Json(_): axum::Json<serde_json::Value>,
 ) -> Response {
-    answer(floor::replay_loop(&floor, ClientId::new(client), i).await)
+    let client = ClientId::new(client);
+    answer(match which {
+        Loop::Payments => floor::payment_loop(&floor, client, i).await,
+        Loop::Replays => floor::replay_loop(&floor, client, i).await,
+    })
 }
 
 /// The stored answer as the front door sends one, or why there is none
@@ -248,15 +252,15 @@ mod tests {
 
         let served = HttpFloor::start(Stores { keys, ledger, rails }).unwrap();
         let (http, payer) = (reqwest::Client::new(), ClientId::generate());
-        let ask = |replay| http.post(served.iteration(payer, replay, 7)).json(&floor::payment(7)).send();
-        let first = ask(false).await.unwrap();
+        let ask = |which| http.post(served.iteration(payer, which, 7)).json(&floor::payment(7)).send();
+        let first = ask(Loop::Payments).await.unwrap();
         assert_eq!(first.status(), 201);
         let location = first.headers()["location"].to_str().unwrap().to_owned();
         let answer = first.bytes().await.unwrap();
         let payment: serde_json::Value = serde_json::from_slice(&answer).unwrap();
         assert_eq!((payment["status"].as_str(), payment["amount_minor"].as_i64()), (Some("succeeded"), Some(107)));
         assert_eq!(location, format!("/v1/payments/{}", payment["id"].as_str().unwrap()));
-        let again = ask(true).await.unwrap();
+        let again = ask(Loop::Replays).await.unwrap();
         assert_eq!(again.status(), 201);
         assert_eq!(again.bytes().await.unwrap(), answer, "the replay is answered with the stored bytes");
 
