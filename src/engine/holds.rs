@@ -8,7 +8,9 @@
 //! in this region are judged here, and only if this region's ledger never
 //! wrote their request (or holds it voided): one it holds lost its key, which the reconciler
 //! repairs; another region's hold is that region's to judge, against its
-//! own ledger.
+//! own ledger. A lasting hold (a return's) is never an orphan: it stands
+//! for money the rail took back, long after its request's key and ledger
+//! rows are gone.
 
 use crate::domain::{Millis, RecoveryPoint};
 use crate::keystore::{Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
@@ -38,7 +40,8 @@ impl<K: KeyStore> Engine<K> {
     /// Whether nothing stands behind `hold` any more.
     pub async fn orphaned(&self, hold: &HoldEntry) -> Result<bool, EngineError> {
         let by = &hold.by;
-        if by.region != self.settings.region
+        if hold.lasting
+            || by.region != self.settings.region
             || self.keys.get(&by.key).await?.is_some_and(|item| item.created_at == by.created_at)
         {
             return Ok(false);

@@ -33,6 +33,10 @@ pub struct Hold {
     /// What the balance allows in all: fixed when it is first drawn on.
     pub total: i64,
     pub amount: i64,
+    /// Taken for good and never concluded (a return: the rail took the
+    /// money back). Such a hold is never judged an orphan, however long
+    /// its request's key and ledger rows have been gone.
+    pub lasting: bool,
 }
 
 /// The request taking a hold: its id, its key and the key's `created_at`
@@ -108,6 +112,8 @@ pub struct HoldEntry {
     pub state: HoldState,
     /// When it was taken.
     pub at: Millis,
+    /// See [`Hold::lasting`].
+    pub lasting: bool,
 }
 
 /// A balance as it stands.
@@ -139,6 +145,9 @@ pub(super) fn name_of(pk: &str) -> Option<&str> {
     pk.strip_prefix(CONTROL_PREFIX)?.strip_prefix("balance#")
 }
 
+/// Present (and true) on a lasting hold's entry only.
+const LASTING: &str = "lasting";
+
 fn hold_attr(id: Uuid) -> String {
     format!("hold#{id}")
 }
@@ -156,7 +165,7 @@ pub(super) async fn take(
     if hold.amount <= 0 || hold.amount > hold.total {
         return Ok(Holding::Exceeded { left: hold.total });
     }
-    let entry = AttributeValue::M(HashMap::from([
+    let mut entry = HashMap::from([
         ("amount".to_owned(), n(hold.amount.unsigned_abs())),
         ("state".to_owned(), s(HoldState::Held.as_str())),
         (attr::CLIENT_ID.to_owned(), s(by.key.client.to_string())),
@@ -164,7 +173,11 @@ pub(super) async fn take(
         (attr::CREATED_AT.to_owned(), n(by.created_at.get())),
         ("region".to_owned(), s(by.region.as_str())),
         ("at".to_owned(), n(now.get())),
-    ]));
+    ]);
+    if hold.lasting {
+        entry.insert(LASTING.to_owned(), AttributeValue::Bool(true));
+    }
+    let entry = AttributeValue::M(entry);
     // A balance whose holds came and went can be taken from again; a
     // retried hold finds its own entry and is recognised below.
     for _ in 0..3 {
@@ -349,6 +362,7 @@ pub(super) fn decode(attrs: &Attrs) -> Result<Balance, KeyStoreError> {
             amount: number(entry, "amount")?,
             state: HoldState::parse(&text(entry, "state")?)?,
             at: Millis::new(number(entry, "at")?.unsigned_abs()),
+            lasting: matches!(entry.get(LASTING), Some(AttributeValue::Bool(true))),
         });
     }
     holds.sort_by_key(|h| (h.at, h.by.id));

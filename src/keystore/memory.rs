@@ -263,7 +263,13 @@ impl KeyStore for MemoryKeyStore {
                 return Ok(Holding::Exceeded { left: balance.left() });
             }
             balance.reserved += hold.amount;
-            balance.holds.push(HoldEntry { by: by.clone(), amount: hold.amount, state: HoldState::Held, at: now });
+            balance.holds.push(HoldEntry {
+                by: by.clone(),
+                amount: hold.amount,
+                state: HoldState::Held,
+                at: now,
+                lasting: hold.lasting,
+            });
             Ok(Holding::Held)
         })
     }

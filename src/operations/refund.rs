@@ -94,7 +94,7 @@ impl RefundOperation {
     /// balance: all of it, so no refund and no return overlap. It is never
     /// concluded: a returned payment has nothing left to refund.
     pub fn hold_for_return(payment: Uuid, amount_minor: i64) -> Hold {
-        Hold { balance: Self::balance_of(payment), total: amount_minor, amount: amount_minor }
+        Hold { balance: Self::balance_of(payment), total: amount_minor, amount: amount_minor, lasting: true }
     }
 
     /// The id the return of payment `payment` holds under (one per payment).
@@ -238,6 +238,7 @@ impl Operation for RefundOperation {
             balance: Self::balance_of(self.order.payment.id),
             total: self.order.payment.amount_minor,
             amount: self.order.refund.amount_minor,
+            lasting: false,
         })
     }
 }

@@ -286,10 +286,17 @@ async fn refusals_claim_nothing_and_a_key_is_one_request() {
 /// Takes a hold on `paid`'s balance for a request that never was (a claim
 /// forgotten after its hold was taken), a minute ago.
 async fn orphan_hold(app: &TestApp, paid: &str, amount: i64) -> Uuid {
+    gone_hold(app, paid, amount, false).await
+}
+
+/// Takes a hold on `paid`'s balance, a minute ago, for a request whose key
+/// and ledger rows are gone (`lasting`: a return's, whose payment's
+/// partition was dropped).
+async fn gone_hold(app: &TestApp, paid: &str, amount: i64, lasting: bool) -> Uuid {
     let id = Uuid::now_v7();
     let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(&format!("gone-{id}")).unwrap());
     let by = HeldBy { id, key, created_at: Millis::now().minus(Duration::from_secs(60)), region: "test-1".into() };
-    let hold = Hold { balance: RefundOperation::balance_of(paid.parse().unwrap()), total: PAID, amount };
+    let hold = Hold { balance: RefundOperation::balance_of(paid.parse().unwrap()), total: PAID, amount, lasting };
     let taken = app.keys.store.hold(&hold, &by, Millis::now().minus(Duration::from_secs(60))).await.unwrap();
     assert_eq!(taken, Holding::Held);
     id
@@ -309,6 +316,26 @@ async fn a_hold_held_for_nobody_is_released_when_a_refund_needs_it() {
     assert_eq!(status, StatusCode::CREATED, "the orphan's amount was given back for it");
     assert_eq!(hold_state(&app, &paid, orphan).await, Some(HoldState::Released));
     assert_eq!(app.refunded(&paid).await, (100, 100));
+}
+
+/// A return holds the whole payment for good. Once the payment's key and
+/// ledger rows are gone (its partition dropped), its hold looks like one
+/// held for nobody; it is not: no refund gets its amount back, and the
+/// reconciler neither reports nor releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_returns_hold_is_never_an_orphan() {
+    let app = spawn_app().await;
+    let paid = app.paid("E2E-REFUND-RETURNED").await;
+    let returned = gone_hold(&app, &paid, PAID, true).await;
+    let (status, body) = app.refund_at(&app.url, &paid, "refund-after-return", &refund(100)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(hold_state(&app, &paid, returned).await, Some(HoldState::Held));
+
+    let found = crate::reconcile::reconcile(&app, true).await;
+    assert!(found.findings.is_empty(), "{}", found.table());
+    assert_eq!(hold_state(&app, &paid, returned).await, Some(HoldState::Held), "the repair left it");
+    assert_eq!(app.count("refunds").await, 0);
+    assert_eq!(app.e2.statement().await.len(), 1, "the payment only: no refund sent");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,7 +479,7 @@ async fn a_refunds_events_arrive_signed() {
 async fn a_hold_concludes_once_and_a_released_one_settles_only_with_room() {
     let app = spawn_app().await;
     let balance = "refundable#payment#conclude-once";
-    let hold = |amount| Hold { balance: balance.to_owned(), total: 1000, amount };
+    let hold = |amount| Hold { balance: balance.to_owned(), total: 1000, amount, lasting: false };
     let by = async |name: &str| HeldBy {
         id: Uuid::now_v7(),
         key: ScopedKey::new(app.client_id().await, IdempotencyKey::parse(name).unwrap()),
