@@ -34,13 +34,8 @@ impl<K: KeyStore> Engine<K> {
     #[tracing::instrument(skip_all, fields(key = %submission.key))]
     pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
         self.check_region().await?;
-        // A rail the operation names but this engine lacks is refused before
-        // anything is claimed, not after an intent is committed.
-        for step in submission.operation.steps() {
-            if let super::Step::External(ext) = step {
-                self.rails.get(ext.rail)?;
-            }
-        }
+        self.check_rails(&submission.operation)?;
+        failpoint::boundary(|| "before-claim".to_owned());
         let now = Millis::now();
         if let Some(known) = self.answers.recall(&submission.key, now, &self.settings.retention) {
             metrics::counter!("keyfence_replays_from_memory_total").increment(1);
@@ -75,6 +70,42 @@ impl<K: KeyStore> Engine<K> {
             Err(KeyStoreError::Taken(None)) => Ok(Answer::InFlight { retry_after: Duration::from_secs(1) }),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The live item of `key`, if one is held: an item past its retention
+    /// only waits to be reaped, and counts as gone.
+    pub async fn live_item(&self, key: &ScopedKey) -> Result<Option<KeyItem>, EngineError> {
+        let gone_before = self.settings.retention.gone_before(Millis::now());
+        Ok(self.keys.get(key).await?.filter(|item| !item.expired(gone_before)))
+    }
+
+    /// Works a request as the claim `existing` (read with [`Self::live_item`])
+    /// accepted it: replayed, answered in flight, taken over and resumed, or
+    /// refused as another request under the key. It never claims: a request
+    /// its caller could not make anew (its check refused it) is answered this
+    /// way or not at all, so a key that expires between the read and this
+    /// call is never claimed afresh by a request nobody checked. Every write
+    /// it makes is conditional on the fence `existing` carries.
+    #[tracing::instrument(skip_all, fields(key = %submission.key))]
+    pub async fn submit_to_existing<O: Operation>(
+        &self,
+        submission: Submission<O>,
+        existing: &KeyItem,
+    ) -> Result<Answer, EngineError> {
+        self.check_region().await?;
+        self.check_rails(&submission.operation)?;
+        self.on_existing(&submission.operation, existing, &submission.request_hash, Millis::now()).await
+    }
+
+    /// Refuses, before anything is claimed, an operation naming a rail this
+    /// engine lacks (not after an intent is committed).
+    fn check_rails<O: Operation>(&self, op: &O) -> Result<(), EngineError> {
+        for step in op.steps() {
+            if let super::Step::External(ext) = step {
+                self.rails.get(ext.rail)?;
+            }
+        }
+        Ok(())
     }
 
     async fn on_existing<O: Operation>(

@@ -20,11 +20,11 @@ use super::peers::{Asker, check_target};
 use super::signed::is_forwarded;
 use super::throttle::Running;
 use super::{ApiError, AppState};
-use crate::clients::{Profile, Refusal};
+use crate::clients::Refusal;
 use crate::domain::ClientId;
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
 use crate::engine::{Answer, EngineError, Operation, Submission};
-use crate::keystore::KeyStore;
+use crate::keystore::{KeyItem, KeyStore};
 use crate::operations::{PaymentOperation, RefundOperation};
 
 const PATH: &str = "/v1/payments";
@@ -42,29 +42,35 @@ pub async fn create(
     let payment = PaymentRequest::parse(value).map_err(ApiError::InvalidFields)?;
     let key = ScopedKey::new(client, key);
     let profile = profile(&state, client).await?;
-    permitted(&state, &key, &payment, &profile).await?;
+    let accepted = accepted_despite(&state, &key, profile.permits(&payment)).await?;
     let running = state.throttle.start(&key, &profile).map_err(ApiError::Throttled)?;
     // The request is kept in its normal form (accounts upper case, no
     // spaces), so a resume works on exactly what the first phase wrote;
     // the fingerprint stays that of the bytes the client sent.
     let stored = serde_jcs::to_vec(&payment).map_err(|e| ApiError::Internal(e.to_string()))?;
     let submission = Submission { key, request_hash, canonical: stored, operation: PaymentOperation::new(payment) };
-    respond(worked(&state, submission, running).await?, PATH)
+    respond(worked(&state, submission, accepted, running).await?, PATH)
 }
 
 /// Works `submission` on a task of its own: a client that gives up waiting
 /// (or goes away) does not cut its request off halfway, which would leave
 /// the key leased to nobody until the lease runs out. `running` counts it
-/// against the caller's fair use until it ends.
+/// against the caller's fair use until it ends. With `existing`, the
+/// request is worked only as that claim accepted it, never claimed anew
+/// (see [`accepted_despite`]).
 pub(super) async fn worked<O: Operation + 'static>(
     state: &AppState,
     submission: Submission<O>,
+    existing: Option<KeyItem>,
     running: Running,
 ) -> Result<Answer, ApiError> {
     let engine = state.engine.clone();
     let work = tokio::spawn(
         async move {
-            let answer = engine.submit(submission).await;
+            let answer = match existing {
+                None => engine.submit(submission).await,
+                Some(item) => engine.submit_to_existing(submission, &item).await,
+            };
             drop(running);
             answer
         }
@@ -73,27 +79,27 @@ pub(super) async fn worked<O: Operation + 'static>(
     Ok(work.await.map_err(|e| EngineError::Fault(format!("the request's task ended: {e}")))??)
 }
 
-/// Refuses a new payment the caller may not make (an account it does not
-/// hold, over one of its limits) before anything is claimed: no stored
-/// answer, so the same key pays once the account is added or the limit
-/// raised. A key already claimed is worked on as it was accepted (replayed,
-/// in flight, or refused as reused), whatever the caller's profile says now:
-/// only a refusal costs that one key-store read.
-async fn permitted(
+/// A new payment the caller may not make (an account it does not hold,
+/// over one of its limits) is refused without a claim: no stored answer,
+/// so the same key pays once the account is added or the limit raised.
+/// A key already claimed is worked as it was accepted (replayed, in flight,
+/// or refused as reused) whatever the caller's profile says now, and then
+/// only through that claim (`Some(item)`, for [`worked`]): were the request
+/// to claim, a key expiring in between would be claimed afresh by a
+/// payment nobody checked. Only a refusal costs this one key-store read.
+async fn accepted_despite(
     state: &AppState,
     key: &ScopedKey,
-    payment: &PaymentRequest,
-    profile: &Profile,
-) -> Result<(), ApiError> {
-    let Err(refusal) = profile.permits(payment) else { return Ok(()) };
-    let gone_before = state.engine.retention().gone_before(crate::domain::Millis::now());
-    if state.engine.keys().get(key).await.map_err(EngineError::from)?.is_some_and(|item| !item.expired(gone_before)) {
-        return Ok(());
+    check: Result<(), Refusal>,
+) -> Result<Option<KeyItem>, ApiError> {
+    let Err(refusal) = check else { return Ok(None) };
+    match state.engine.live_item(key).await? {
+        Some(item) => Ok(Some(item)),
+        None => Err(match refusal {
+            Refusal::AccountNotPermitted => ApiError::AccountNotPermitted,
+            Refusal::OverLimit { limit, detail } => ApiError::OverLimit { limit, detail },
+        }),
     }
-    Err(match refusal {
-        Refusal::AccountNotPermitted => ApiError::AccountNotPermitted,
-        Refusal::OverLimit { limit, detail } => ApiError::OverLimit { limit, detail },
-    })
 }
 
 /// Turns the engine's answer into HTTP: a final answer exactly as stored;

@@ -22,7 +22,7 @@ use super::signed::is_forwarded;
 use super::{ApiError, AppState};
 use crate::domain::{ClientId, RefundRequest, RequestHash, ScopedKey};
 use crate::engine::{EngineError, Submission};
-use crate::keystore::KeyStore;
+use crate::keystore::KeyItem;
 use crate::operations::{RefundOperation, RefundOrder, RefundedPayment};
 
 const REFUNDS: &str = "/v1/refunds";
@@ -44,14 +44,14 @@ pub async fn create(
     let refund = RefundRequest::parse(value).map_err(ApiError::InvalidRefund)?;
     let key = ScopedKey::new(client, key);
     let profile = profile(&state, client).await?;
-    let order = match order(&state, client, payment_id, refund).await {
-        Ok(order) => order,
+    let (order, existing) = match order(&state, client, payment_id, refund).await {
+        Ok(order) => (order, None),
         Err(refusal) => already_accepted(&state, &key, &request_hash).await?.ok_or(refusal)?,
     };
     let running = state.throttle.start(&key, &profile).map_err(ApiError::Throttled)?;
     let stored = serde_jcs::to_vec(&order).map_err(|e| ApiError::Internal(e.to_string()))?;
     let submission = Submission { key, request_hash, canonical: stored, operation: RefundOperation::new(order) };
-    respond(worked(&state, submission, running).await?, REFUNDS)
+    respond(worked(&state, submission, existing, running).await?, REFUNDS)
 }
 
 /// The refund as it will be worked: the request and what it needs of its
@@ -87,23 +87,23 @@ async fn order(
 }
 
 /// A refund already accepted under this key, worked as it was accepted
-/// (replayed, in flight, resumed) whatever its payment shows now: only a
+/// (replayed, in flight, resumed) whatever its payment shows now, and then
+/// only through that claim (the item, for [`worked`]): a key expiring in
+/// between is never claimed afresh by a refund nobody checked. Only a
 /// refusal costs this key-store read. Another request under the key is 422.
 async fn already_accepted(
     state: &AppState,
     key: &ScopedKey,
     request_hash: &RequestHash,
-) -> Result<Option<RefundOrder>, ApiError> {
-    let gone_before = state.engine.retention().gone_before(crate::domain::Millis::now());
-    let Some(item) = state.engine.keys().get(key).await.map_err(EngineError::from)?.filter(|i| !i.expired(gone_before))
-    else {
+) -> Result<Option<(RefundOrder, Option<KeyItem>)>, ApiError> {
+    let Some(item) = state.engine.live_item(key).await? else {
         return Ok(None);
     };
     if item.request_hash != *request_hash || item.operation != RefundOperation::NAME {
         return Err(ApiError::KeyReused);
     }
     let order = serde_json::from_slice(&item.request).map_err(|e| ApiError::Internal(format!("stored refund: {e}")))?;
-    Ok(Some(order))
+    Ok(Some((order, Some(item))))
 }
 
 pub async fn show(

@@ -2,6 +2,8 @@
 //! strongly consistent global table would not): `keyfence maintain
 //! --expire` deletes finished keys past their retention and its grace, and
 //! touches nothing else, neither a key still within them nor one in flight.
+//! A request refused by its checks is never worked through a key that
+//! expires under it.
 
 use std::time::Duration;
 
@@ -86,4 +88,62 @@ async fn a_key_just_past_its_retention_on_a_clock_running_ahead_is_kept_and_repl
     assert_eq!(retry.bytes().await.unwrap(), bytes);
     assert_eq!(app.count("payments").await, 1, "paid once");
     assert_eq!(app.e2.statement().await.len(), 1);
+}
+
+/// The account another client holds, which the test client must never pay from.
+#[cfg(feature = "failpoints")]
+const VICTIM: &str = "GB82WEST12345698765432";
+
+/// A client resends its own old key with another client's account just
+/// before the key expires: the account check refuses it, but the key is
+/// still live, so the request is worked as that key accepted it (here:
+/// another body under the key, 422). A stall between the check and the
+/// claim (`before-claim`) carries the request past the key's expiry: had it
+/// claimed, the claim would have made a new payment from the account nobody
+/// checked. Nothing is paid from that account, in the ledger or at the rail.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_never_claims_a_key_that_expires_under_it() {
+    use crate::process::ServeProcess;
+
+    let app = spawn_app_with(|_| {}).await;
+    let (_, victim_key) = app.add_client_holding(&[VICTIM]).await;
+    let mut command = keyfence_command(&app, "serve");
+    command
+        .env("KEYFENCE_RETENTION", "2s")
+        .env("KEYFENCE_RETENTION_GRACE", "1s")
+        .env("KEYFENCE_RECOVERY_INTERVAL_MS", "0")
+        .env("FAILPOINTS", "before-claim=sleep(4000)");
+    let serve = ServeProcess::spawn(command).await;
+    let own = app.try_pay_at(&serve.url, &app.api_key, "expiring-1", &payment("E2E-OWN")).await.unwrap();
+    assert_eq!(own.status(), StatusCode::CREATED);
+
+    // The instant a claim first counts the key as gone: past its
+    // `expires_at` (whole seconds) and the grace.
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("expiring-1").unwrap());
+    let expires_at = app.keys.store.get(&key).await.unwrap().unwrap().expires_at.unwrap();
+    let gone_at = (expires_at + 1) * 1000 + 1000;
+    let mut stolen = payment("E2E-STOLEN");
+    stolen["debtor_account"] = json!(VICTIM);
+    // Checked well before that instant; a claim after the stall would come well after it.
+    tokio::time::sleep(Duration::from_millis(gone_at.saturating_sub(Millis::now().get() + 1500))).await;
+    let before = app.try_pay_at(&serve.url, &app.api_key, "expiring-1", &stolen).await.unwrap();
+    assert_eq!(before.status(), StatusCode::UNPROCESSABLE_ENTITY, "another body under a live key");
+    tokio::time::sleep(Duration::from_millis(gone_at.saturating_sub(Millis::now().get()) + 100)).await;
+    let after = app.try_pay_at(&serve.url, &app.api_key, "expiring-1", &stolen).await.unwrap();
+    assert_eq!(after.status(), StatusCode::FORBIDDEN, "the key is gone: refused as a new payment");
+
+    let from_victim: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE debtor_account = $1")
+        .bind(VICTIM)
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(from_victim, 0, "nothing paid from an account the client does not hold");
+    let sent: Vec<String> = app.e2.statement().await.into_iter().map(|applied| applied.end_to_end_id).collect();
+    assert_eq!(sent, ["E2E-OWN"], "the rail applied the client's own payment only");
+    // The account's holder pays from it as usual.
+    let mut theirs = payment("E2E-THEIRS");
+    theirs["debtor_account"] = json!(VICTIM);
+    let paid = app.try_pay_at(&serve.url, &victim_key, "theirs-1", &theirs).await.unwrap();
+    assert_eq!(paid.status(), StatusCode::CREATED);
 }

@@ -26,7 +26,10 @@
 //! - the key store never forgets a request the ledger holds while it is
 //!   within its retention (a new claim would start a second payment);
 //! - no leftover is ever worked again: once a request moved away from a
-//!   region, no owner granted after the move commits a phase there.
+//!   region, no owner granted after the move commits a phase there;
+//! - a request its perimeter check refused (another body under the key, or
+//!   the same one after its client lost the account) never claims the key:
+//!   it goes on only through the item its read found, however long after.
 //!
 //! Then, with no more faults, a client retries until the request finishes,
 //! time runs past the retention, every region is restored and reconciled,
@@ -56,6 +59,8 @@ const GRACE: Duration = Duration::from_secs(1);
 /// How long a rail remembers a derived key (deduplication and probes).
 const RAIL_MEMORY: Duration = Duration::from_secs(100);
 const REGIONS: [&str; 2] = ["r-a", "r-b"];
+/// The instance name of owners that requests refused by their checks would be.
+const REFUSED: &str = "refused";
 
 /// The operation: recovery points in order. Calls are made at the `*_SENT`
 /// points; the transactions end at intents and at the end.
@@ -129,6 +134,17 @@ enum Actor {
         /// When it was granted, in grants so far (see `World::grants`).
         born: u64,
     },
+    /// A request its perimeter check refused (an account the client no
+    /// longer holds, or another client's), between its read of the key and
+    /// what it does next: it may only go on as the claim it saw accepted,
+    /// never claim.
+    Refused {
+        /// The live item the check's read found, if any.
+        seen: Option<Box<KeyItem>>,
+        /// Another body under the key (a hostile resend), or the same one
+        /// (a retry whose client's profile changed since it was accepted).
+        other_body: bool,
+    },
 }
 
 /// How a phase transaction fails, if it does.
@@ -171,6 +187,12 @@ enum Action {
     Reconcile {
         region: usize,
     },
+    /// An idle actor presents a request its perimeter check refuses, and
+    /// reads the key; its next step acts on what it read.
+    Refuse {
+        actor: usize,
+        other_body: bool,
+    },
 }
 
 fn action(regions: usize) -> impl Strategy<Value = Action> {
@@ -181,6 +203,7 @@ fn action(regions: usize) -> impl Strategy<Value = Action> {
         1 => (0..actors).prop_map(|actor| Action::Crash { actor }),
         1 => any::<usize>().prop_map(|pick| Action::Redeliver { pick }),
         2 => (0..1500_u64).prop_map(|ms| Action::Advance { ms }),
+        1 => (0..actors, any::<bool>()).prop_map(|(actor, other_body)| Action::Refuse { actor, other_body }),
     ];
     let seams = prop_oneof![
         2 => (0..regions, any::<bool>()).prop_map(|(region, failed)| Action::Declare { region, failed }),
@@ -340,37 +363,61 @@ impl World {
                     born,
                 }
             }
-            Err(KeyStoreError::Taken(Some(existing))) if existing.state == KeyState::Finished => {
-                assert_eq!(existing.response, self.published, "a replay differs from the answer clients saw");
-                Actor::Idle
-            }
-            Err(KeyStoreError::Taken(Some(existing))) => {
-                let home = Self::region_of(&existing.home_region);
-                let taken = if home == g && existing.lease_until < self.now {
-                    block_on(self.keys.take_over(&existing.key, existing.fence, &owner, self.lease()))
-                } else if home != g && self.failed[home] {
-                    let lease = self.lease();
-                    let moved = block_on(self.keys.fail_over(
-                        &existing.key,
-                        existing.fence,
-                        &owner,
-                        lease,
-                        REGIONS[home],
-                        REGIONS[g],
-                    ));
-                    if moved.is_ok() {
-                        self.moved.entry(home).or_insert(self.grants);
-                    }
-                    moved
-                } else {
-                    return Actor::Idle;
-                };
-                match taken {
-                    Ok(item) => self.adopt(g, owner, &item),
-                    Err(_) => Actor::Idle,
-                }
-            }
+            Err(KeyStoreError::Taken(Some(existing))) => self.on_existing(g, owner, &existing),
             Err(_) => Actor::Idle,
+        }
+    }
+
+    /// The engine's branch on an item the request found (the same request):
+    /// replay a finished one; take over a stale one in its home region, or
+    /// fail over one whose home is declared failed; else in flight. Every
+    /// write is conditional on the fence the item carries.
+    fn on_existing(&mut self, g: usize, owner: Owner, existing: &KeyItem) -> Actor {
+        if existing.state == KeyState::Finished {
+            assert_eq!(existing.response, self.published, "a replay differs from the answer clients saw");
+            return Actor::Idle;
+        }
+        let home = Self::region_of(&existing.home_region);
+        let taken = if home == g && existing.lease_until < self.now {
+            block_on(self.keys.take_over(&existing.key, existing.fence, &owner, self.lease()))
+        } else if home != g && self.failed[home] {
+            let lease = self.lease();
+            let moved =
+                block_on(self.keys.fail_over(&existing.key, existing.fence, &owner, lease, REGIONS[home], REGIONS[g]));
+            if moved.is_ok() {
+                self.moved.entry(home).or_insert(self.grants);
+            }
+            moved
+        } else {
+            return Actor::Idle;
+        };
+        match taken {
+            Ok(item) => self.adopt(g, owner, &item),
+            Err(_) => Actor::Idle,
+        }
+    }
+
+    /// The perimeter's read for a request its check refused: the live item
+    /// of the key, if any (`Engine::live_item`).
+    fn refuse(&mut self, index: usize, other_body: bool) {
+        if !matches!(self.actors[index].1, Actor::Idle) {
+            return;
+        }
+        let seen = block_on(self.keys.get(&self.claim.key)).unwrap().filter(|i| !i.expired(self.now.minus(GRACE)));
+        let seen = seen.map(Box::new);
+        self.actors[index].1 = Actor::Refused { seen, other_body };
+    }
+
+    /// A refused request goes on only as the claim it read accepted it
+    /// (`Engine::submit_to_existing`): no live item, or another body under
+    /// it, and it is answered without a write; the same body is worked
+    /// through that item's fence. It never claims, whatever the clock says now.
+    fn go_on_refused(&mut self, g: usize, seen: Option<Box<KeyItem>>, other_body: bool) -> Actor {
+        match seen {
+            Some(existing) if !other_body && !self.failed[g] => {
+                self.on_existing(g, Owner::attempt_of(REFUSED), &existing)
+            }
+            _ => Actor::Idle,
         }
     }
 
@@ -419,9 +466,18 @@ impl World {
 
     fn step(&mut self, index: usize, unknown: bool, applied: bool, fault: TxnFault) {
         let (g, actor) = self.actors[index].clone();
-        let Actor::Owner { owner, fence, mut lease_until, at, outcome_in_hand, checked, fresh, born } = actor else {
-            self.actors[index].1 = self.present(g);
-            return;
+        let (owner, fence, mut lease_until, at, outcome_in_hand, checked, fresh, born) = match actor {
+            Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born } => {
+                (owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born)
+            }
+            Actor::Refused { seen, other_body } => {
+                self.actors[index].1 = self.go_on_refused(g, seen, other_body);
+                return;
+            }
+            Actor::Idle => {
+                self.actors[index].1 = self.present(g);
+                return;
+            }
         };
         let holder = Holder { fence, owner: owner.clone() };
         if self.failed[g] {
@@ -529,10 +585,16 @@ impl World {
             Action::Advance { ms } => self.now = self.now.plus(Duration::from_millis(ms)),
             Action::Declare { region, failed } => self.declare(region, failed),
             Action::Reconcile { region } => self.reconcile(region),
+            Action::Refuse { actor, other_body } => self.refuse(actor, other_body),
         }
+        let item = block_on(self.keys.get(&self.claim.key)).unwrap();
         if self.ledgers.iter().any(|l| l.row.is_some()) && !self.expired {
-            let item = block_on(self.keys.get(&self.claim.key)).unwrap();
             assert!(item.is_some(), "the key store forgot a request the ledger holds, after {action:?}");
+        }
+        if let Some(item) = item {
+            let refused_claim = item.fence == Fence::FIRST && item.owner.as_str().starts_with(REFUSED);
+            assert!(!refused_claim, "a request its check refused claimed the key, after {action:?}");
+            assert_eq!(item.request_hash, self.claim.request_hash, "another body holds the key, after {action:?}");
         }
     }
 
@@ -793,4 +855,28 @@ fn a_hand_off_of_a_request_never_written_here_fences_the_sleeping_owner() {
         step(1),
     ];
     check(2, &actions, one_live_copy_in_the_end);
+}
+
+/// A request its check refuses reads the key a moment before the key
+/// counts as gone, and acts after: it must never claim the key anew. Under
+/// the old rule (the check's read decided, and the request then claimed)
+/// the hostile resend below claimed the expired key with its own body, and
+/// the same request, retried after its client's profile changed, made a
+/// second payment no check had passed.
+#[test]
+fn a_refused_request_that_outlives_the_key_it_read_never_claims() {
+    for other_body in [true, false] {
+        let mut world = World::new(1, 1);
+        world.finish_by_retrying();
+        world.actors.push((0, Actor::Idle));
+        let expires_at = block_on(world.keys.get(&world.claim.key)).unwrap().unwrap().expires_at.unwrap();
+        // The last moment the key is live, then past the rails' memory too.
+        world.now = Millis::new((expires_at + 1) * 1000).plus(GRACE).minus(Duration::from_millis(1));
+        world.apply(&Action::Refuse { actor: 1, other_body });
+        assert!(matches!(world.actors[1].1, Actor::Refused { seen: Some(_), .. }), "the check read a live key");
+        world.apply(&Action::Advance { ms: RAIL_MEMORY.as_millis() as u64 });
+        world.apply(&Action::Step { actor: 1, unknown: false, applied: false, fault: TxnFault::None });
+        assert!(matches!(world.actors[1].1, Actor::Idle), "answered without a claim");
+        assert_eq!(world.rails.map(|r| r.effects), [1, 1], "each rail took effect once (other body: {other_body})");
+    }
 }
