@@ -6,8 +6,9 @@
 //! feature every boundary compiles to nothing.
 //!
 //! The names, in the order a payment meets them:
-//! `before-claim` (after the request's checks, before the claim reads the
-//! clock, where a stall lets the key expire meanwhile), `after-claim`, `before-commit:EXT1_SENT`, `after-commit:EXT1_SENT`,
+//! `before-claim` (after the request's checks, before it claims or acts on
+//! the item its check read: a stall lets the key expire meanwhile),
+//! `after-claim`, `before-commit:EXT1_SENT`, `after-commit:EXT1_SENT`,
 //! `after-call:ext1`, `before-commit:EXT2_SENT`, `after-commit:EXT2_SENT`,
 //! `after-call:ext2`, `before-commit:FINISHED`, `after-commit:FINISHED`;
 //! and `before-phase:{point}` (after the lease check, before the phase

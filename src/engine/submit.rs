@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use crate::domain::{Fence, Millis, Owner, RecoveryPoint, RequestHash, ScopedKey};
 use crate::failpoint;
-use crate::keystore::{Claim, Handoff, KeyItem, KeyState, KeyStore, KeyStoreError, Lease};
+use crate::keystore::{Claim, Handoff, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release};
 use crate::ledger::Adoption;
 
 use super::lease::Attempt;
@@ -94,6 +94,7 @@ impl<K: KeyStore> Engine<K> {
     ) -> Result<Answer, EngineError> {
         self.check_region().await?;
         self.check_rails(&submission.operation)?;
+        failpoint::boundary(|| "before-claim".to_owned());
         self.on_existing(&submission.operation, existing, &submission.request_hash, Millis::now()).await
     }
 
@@ -150,6 +151,13 @@ impl<K: KeyStore> Engine<K> {
             Err(KeyStoreError::Taken(_)) => return Ok(in_flight),
             Err(e) => return Err(e.into()),
         };
+        // The key was forgotten and claimed by another request since
+        // `existing` was read, at the same fence: what was taken is not this
+        // request, so it is handed straight back for its own retries.
+        if item.created_at != existing.created_at || item.request_hash != existing.request_hash {
+            self.keys.release(&item.key, &item.holder(), Release::Reopen).await?;
+            return Ok(in_flight);
+        }
         metrics::counter!("keyfence_takeovers_total", "by" => by).increment(1);
         tracing::info!(key = %item.key, fence = %item.fence, "a retry took over a request");
         self.resume(op, &item).await

@@ -97,8 +97,8 @@ const VICTIM: &str = "GB82WEST12345698765432";
 /// A client resends its own old key with another client's account just
 /// before the key expires: the account check refuses it, but the key is
 /// still live, so the request is worked as that key accepted it (here:
-/// another body under the key, 422). A stall between the check and the
-/// claim (`before-claim`) carries the request past the key's expiry: had it
+/// another body under the key, 422). A stall after the check
+/// (`before-claim`) carries the request past the key's expiry: had it
 /// claimed, the claim would have made a new payment from the account nobody
 /// checked. Nothing is paid from that account, in the ledger or at the rail.
 #[cfg(feature = "failpoints")]
@@ -113,7 +113,7 @@ async fn a_refused_request_never_claims_a_key_that_expires_under_it() {
         .env("KEYFENCE_RETENTION", "2s")
         .env("KEYFENCE_RETENTION_GRACE", "1s")
         .env("KEYFENCE_RECOVERY_INTERVAL_MS", "0")
-        .env("FAILPOINTS", "before-claim=sleep(4000)");
+        .env("FAILPOINTS", "before-claim=sleep(5000)");
     let serve = ServeProcess::spawn(command).await;
     let own = app.try_pay_at(&serve.url, &app.api_key, "expiring-1", &payment("E2E-OWN")).await.unwrap();
     assert_eq!(own.status(), StatusCode::CREATED);
@@ -125,8 +125,8 @@ async fn a_refused_request_never_claims_a_key_that_expires_under_it() {
     let gone_at = (expires_at + 1) * 1000 + 1000;
     let mut stolen = payment("E2E-STOLEN");
     stolen["debtor_account"] = json!(VICTIM);
-    // Checked well before that instant; a claim after the stall would come well after it.
-    tokio::time::sleep(Duration::from_millis(gone_at.saturating_sub(Millis::now().get() + 1500))).await;
+    // Checked well before that instant; after the stall, the request acts well after it.
+    tokio::time::sleep(Duration::from_millis(gone_at.saturating_sub(Millis::now().get() + 2500))).await;
     let before = app.try_pay_at(&serve.url, &app.api_key, "expiring-1", &stolen).await.unwrap();
     assert_eq!(before.status(), StatusCode::UNPROCESSABLE_ENTITY, "another body under a live key");
     tokio::time::sleep(Duration::from_millis(gone_at.saturating_sub(Millis::now().get()) + 100)).await;
