@@ -8,9 +8,10 @@
 //! in this region are judged here, and only if this region's ledger never
 //! wrote their request (or holds it voided): one it holds lost its key, which the reconciler
 //! repairs; another region's hold is that region's to judge, against its
-//! own ledger. A lasting hold (a return's) is never an orphan: it stands
-//! for money the rail took back, long after its request's key and ledger
-//! rows are gone.
+//! own ledger. A lasting hold (a return's) stands for money the rail took
+//! back: once its request's key and ledger rows are gone (the partition
+//! dropped) it is no orphan; only one whose request this ledger holds
+//! voided (a leftover's) is.
 
 use crate::domain::{Millis, RecoveryPoint};
 use crate::keystore::{Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
@@ -40,14 +41,18 @@ impl<K: KeyStore> Engine<K> {
     /// Whether nothing stands behind `hold` any more.
     pub async fn orphaned(&self, hold: &HoldEntry) -> Result<bool, EngineError> {
         let by = &hold.by;
-        if hold.lasting
-            || by.region != self.settings.region
+        if by.region != self.settings.region
             || self.keys.get(&by.key).await?.is_some_and(|item| item.created_at == by.created_at)
         {
             return Ok(false);
         }
-        // Never written here, or only voided (given up, or a leftover).
+        // Never written here, or only voided (given up, or a leftover). A
+        // lasting hold's request whose rows are gone was written here once
+        // (the ledger dropped them past its retention): it stands.
         let held = self.ledger.views(&[(by.key.clone(), by.created_at)]).await?;
+        if hold.lasting && held.is_empty() {
+            return Ok(false);
+        }
         Ok(held.values().all(|view| view.recovery_point == RecoveryPoint::VOIDED))
     }
 }

@@ -34,8 +34,8 @@ pub struct Hold {
     pub total: i64,
     pub amount: i64,
     /// Taken for good and never concluded (a return: the rail took the
-    /// money back). Such a hold is never judged an orphan, however long
-    /// its request's key and ledger rows have been gone.
+    /// money back). Such a hold is not judged an orphan once its request's
+    /// key and ledger rows are gone, however long ago.
     pub lasting: bool,
 }
 
