@@ -4,7 +4,7 @@
 //! asks, so one client can never see another's payment.
 
 use serde::Serialize;
-use sqlx::{FromRow, PgConnection};
+use sqlx::{FromRow, PgConnection, Row};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -83,22 +83,27 @@ pub fn post(writes: &mut Writes, payment_id: Uuid, entry: &str, currency: &str, 
     );
 }
 
-/// Moves a payment to `status`; returns the payment as it now stands.
-pub async fn set_status(
+/// Marks a payment indeterminate, at every park past the limit; returns
+/// it as it now stands when it became so now, `None` when it already was,
+/// so what follows the change (its event) happens once in its life.
+pub async fn mark_indeterminate(
     conn: &mut PgConnection,
     payment_id: Uuid,
-    status: &str,
     fence: Fence,
-) -> Result<Payment, LedgerError> {
-    let query =
-        format!("UPDATE payments SET status = $2, fence = $3, updated_at = now() WHERE id = $1 RETURNING {COLUMNS}");
-    sqlx::query_as(sqlx::AssertSqlSafe(query))
+) -> Result<Option<Payment>, LedgerError> {
+    let query = format!(
+        "WITH was AS (SELECT status AS previous FROM payments WHERE id = $1 FOR UPDATE)
+         UPDATE payments SET status = 'indeterminate', fence = $2, updated_at = now() FROM was
+          WHERE id = $1 RETURNING {COLUMNS}, was.previous"
+    );
+    let row = sqlx::query(sqlx::AssertSqlSafe(query))
         .bind(payment_id)
-        .bind(status)
         .bind(fence_param(fence))
         .fetch_optional(conn)
         .await?
-        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))
+        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))?;
+    let previous: String = row.try_get("previous")?;
+    Ok(if previous == "indeterminate" { None } else { Some(Payment::from_row(&row)?) })
 }
 
 /// Marks `request`'s payment succeeded at the rail's `rail_reference`, as a

@@ -5,7 +5,7 @@
 //! refund's own id, so each refund balances on its own.
 
 use serde::Serialize;
-use sqlx::{FromRow, PgConnection};
+use sqlx::{FromRow, PgConnection, Row};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -92,6 +92,29 @@ pub async fn set_status(
         .fetch_optional(conn)
         .await?
         .ok_or_else(|| LedgerError::Corrupt(format!("refund {id} has no row")))
+}
+
+/// Marks a refund indeterminate, at every park past the limit; returns it
+/// as it now stands when it became so now, `None` when it already was
+/// (see [`super::payments::mark_indeterminate`]).
+pub async fn mark_indeterminate(
+    conn: &mut PgConnection,
+    id: Uuid,
+    fence: Fence,
+) -> Result<Option<Refund>, LedgerError> {
+    let query = format!(
+        "WITH was AS (SELECT status AS previous FROM refunds WHERE id = $1 FOR UPDATE)
+         UPDATE refunds SET status = 'indeterminate', fence = $2, updated_at = now() FROM was
+          WHERE id = $1 RETURNING {COLUMNS}, was.previous"
+    );
+    let row = sqlx::query(sqlx::AssertSqlSafe(query))
+        .bind(id)
+        .bind(fence_param(fence))
+        .fetch_optional(conn)
+        .await?
+        .ok_or_else(|| LedgerError::Corrupt(format!("refund {id} has no row")))?;
+    let previous: String = row.try_get("previous")?;
+    Ok(if previous == "indeterminate" { None } else { Some(Refund::from_row(&row)?) })
 }
 
 /// Marks a refund voided, if it has a row (see [`super::payments::mark_voided`]).

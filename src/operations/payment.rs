@@ -256,8 +256,10 @@ impl Operation for PaymentOperation {
 
     async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
         let (id, fence) = (cx.request.payment_id, cx.fence);
-        let payment = payments::set_status(cx.conn().await?, id, "indeterminate", fence).await?;
-        queue_event(cx, &payment, "payment.indeterminate")
+        match payments::mark_indeterminate(cx.conn().await?, id, fence).await? {
+            Some(payment) => queue_event(cx, &payment, "payment.indeterminate"),
+            None => Ok(()),
+        }
     }
 
     fn instruction(&self, _step: &ExternalStep) -> Instruction {

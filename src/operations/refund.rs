@@ -215,8 +215,10 @@ impl Operation for RefundOperation {
 
     async fn indeterminate(&self, _step: &ExternalStep, cx: &mut StepContext<'_>) -> Result<(), EngineError> {
         let (id, fence) = (cx.request.payment_id, cx.fence);
-        let refund = refunds::set_status(cx.conn().await?, id, "indeterminate", None, None, fence).await?;
-        queue_event(cx, &refund, "refund.indeterminate")
+        match refunds::mark_indeterminate(cx.conn().await?, id, fence).await? {
+            Some(refund) => queue_event(cx, &refund, "refund.indeterminate"),
+            None => Ok(()),
+        }
     }
 
     /// Money back from the payment's creditor to its debtor, naming the

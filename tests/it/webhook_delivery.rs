@@ -169,6 +169,45 @@ async fn a_payments_events_arrive_in_the_order_they_were_written() {
     assert!(overlapped, "payment.succeeded was queued before payment.indeterminate was delivered");
 }
 
+/// A payment parked past the limit is marked indeterminate at every park
+/// from then on, but its `payment.indeterminate` event is queued once in
+/// its life: once the delivered event is pruned, later parks do not queue
+/// it again (the receiver would get the same `webhook-id` anew, as news).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_indeterminate_event_is_queued_once_however_often_the_payment_parks() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app_with(|s| {
+        s.engine.work.lease = Duration::from_millis(1000);
+        (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);
+        s.recovery_interval_ms = 200;
+        s.engine.work.max_unknown_attempts = 2;
+    })
+    .await;
+    subscribe(&app, &receiver, "parks", json!({})).await;
+    app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
+    assert_eq!(app.pay("parks-1", &payment("E2E-PARKS")).await.status(), StatusCode::ACCEPTED);
+    let arrived = async || {
+        let arrivals = receiver.arrivals("parks").await;
+        arrivals.iter().filter(|a| a.accepted() && a.event.as_deref() == Some("payment.indeterminate")).count()
+    };
+    eventually("payment.indeterminate delivered", async || arrived().await == 1).await;
+    let attempts = async || -> i32 {
+        sqlx::query_scalar("SELECT attempts FROM external_calls WHERE step = 'ext2'")
+            .fetch_one(app.db.ledger.pool())
+            .await
+            .unwrap()
+    };
+    // The delivered event past its retention, pruned as the worker prunes.
+    let pruned = Deliveries::new(app.db.ledger.pool().clone()).prune(Duration::ZERO, 100).await.unwrap();
+    assert_eq!(pruned, 1);
+    let parked = attempts().await;
+    eventually("parked three times more", async || attempts().await >= parked + 3).await;
+    // A delivery queued by the last park would be due at once.
+    eventually("the worker idle", async || !states(&app).await.contains_key("pending")).await;
+    assert_eq!(arrived().await, 1, "the event arrived once");
+    assert_eq!(app.count("outbox").await, 0, "nothing queued again");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_down_for_a_while_gets_everything_at_the_pace_it_asks_for() {
     let receiver = Receiver::start().await;
