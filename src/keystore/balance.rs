@@ -7,10 +7,15 @@
 //! good) or released (given back) once, and stays in the item as the
 //! record of which it was, so neither happens twice.
 //!
+//! A balance can be frozen (a return of the payment was received): from
+//! then on no hold but a lasting one is taken on it, whatever it has left,
+//! so a refund declined later does not make the payment refundable again.
+//!
 //! Item: `pk = control#balance#{name}`; `total` (what the balance allows
 //! in all, fixed by the first hold), `reserved` (held and settled),
-//! `settled`; and one attribute per hold, `hold#{request id}`, a map of its
-//! amount, state and the request that took it.
+//! `settled`; `frozen` (what froze it, and when), once frozen; and one
+//! attribute per hold, `hold#{request id}`, a map of its amount, state and
+//! the request that took it.
 
 use std::collections::HashMap;
 
@@ -65,6 +70,9 @@ pub enum Conclusion {
     Settle,
     /// Given back: the request did not.
     Release,
+    /// Given back after it was settled: what the request did was undone
+    /// (a refund the rail returned: the money never reached the debtor).
+    Undo,
 }
 
 /// What concluding a hold came to.
@@ -116,6 +124,14 @@ pub struct HoldEntry {
     pub lasting: bool,
 }
 
+/// What froze a balance, and when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frozen {
+    /// The message that froze it (a return: its rail and message id).
+    pub by: String,
+    pub at: Millis,
+}
+
 /// A balance as it stands.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Balance {
@@ -124,11 +140,24 @@ pub struct Balance {
     pub reserved: i64,
     pub settled: i64,
     pub holds: Vec<HoldEntry>,
+    /// Set once, for good: then only lasting holds are taken.
+    pub frozen: Option<Frozen>,
 }
 
 impl Balance {
+    /// What a new hold may still take: nothing once frozen.
     pub fn left(&self) -> i64 {
+        if self.frozen.is_some() { 0 } else { self.room() }
+    }
+
+    /// What is not reserved, frozen or not: what a lasting hold may take.
+    fn room(&self) -> i64 {
         self.total - self.reserved
+    }
+
+    /// What `hold` may take: a lasting hold is not stopped by a freeze.
+    pub fn room_for(&self, hold: &Hold) -> i64 {
+        if hold.lasting { self.room() } else { self.left() }
     }
 
     pub fn hold(&self, id: Uuid) -> Option<&HoldEntry> {
@@ -147,6 +176,9 @@ pub(super) fn name_of(pk: &str) -> Option<&str> {
 
 /// Present (and true) on a lasting hold's entry only.
 const LASTING: &str = "lasting";
+
+/// Present on a frozen balance only.
+const FROZEN: &str = "frozen";
 
 fn hold_attr(id: Uuid) -> String {
     format!("hold#{id}")
@@ -178,6 +210,19 @@ pub(super) async fn take(
         entry.insert(LASTING.to_owned(), AttributeValue::Bool(true));
     }
     let entry = AttributeValue::M(entry);
+    let mut condition = "attribute_not_exists(#hold) AND (attribute_not_exists(#total) OR #total = :total) \
+                         AND (attribute_not_exists(#reserved) OR #reserved <= :limit)"
+        .to_owned();
+    let mut names = HashMap::from([
+        ("#total".to_owned(), "total".to_owned()),
+        ("#settled".to_owned(), "settled".to_owned()),
+        ("#reserved".to_owned(), "reserved".to_owned()),
+        ("#hold".to_owned(), hold_attr(by.id)),
+    ]);
+    if !hold.lasting {
+        condition.push_str(" AND attribute_not_exists(#frozen)");
+        names.insert("#frozen".to_owned(), FROZEN.to_owned());
+    }
     // A balance whose holds came and went can be taken from again; a
     // retried hold finds its own entry and is recognised below.
     for _ in 0..3 {
@@ -189,14 +234,8 @@ pub(super) async fn take(
                 "SET #total = if_not_exists(#total, :total), #settled = if_not_exists(#settled, :zero), \
                  #reserved = if_not_exists(#reserved, :zero) + :n, #hold = :entry",
             )
-            .condition_expression(
-                "attribute_not_exists(#hold) AND (attribute_not_exists(#total) OR #total = :total) \
-                 AND (attribute_not_exists(#reserved) OR #reserved <= :limit)",
-            )
-            .expression_attribute_names("#total", "total")
-            .expression_attribute_names("#settled", "settled")
-            .expression_attribute_names("#reserved", "reserved")
-            .expression_attribute_names("#hold", hold_attr(by.id))
+            .condition_expression(condition.as_str())
+            .set_expression_attribute_names(Some(names.clone()))
             .expression_attribute_values(":total", n(hold.total.unsigned_abs()))
             .expression_attribute_values(":zero", n(0))
             .expression_attribute_values(":n", n(hold.amount.unsigned_abs()))
@@ -220,14 +259,54 @@ pub(super) async fn take(
             // Taken before (and perhaps concluded since, where its request
             // finished before this attempt resumed it): a request holds once.
             Some(_) => return Ok(Holding::Held),
-            // Given back since the refusal: try again.
-            None if balance.left() >= hold.amount => continue,
+            // Given back since the refusal: try again (unless a freeze refused it).
+            None if balance.room_for(hold) >= hold.amount => continue,
             None => return Ok(Holding::Exceeded { left: balance.left() }),
         }
     }
     // Refused three times, yet there was room each time: others' holds
     // came and went meanwhile. Not a verdict on the amount: try again later.
     Err(KeyStoreError::Unavailable(StoreFailure::said(format!("balance {} is contended", hold.balance))))
+}
+
+/// Freezes `balance` (allowing `total`) for good, by `frozen`: made so if
+/// never drawn on; freezing again keeps what froze it first.
+pub(super) async fn freeze(
+    client: &Client,
+    table: &str,
+    balance: &str,
+    total: i64,
+    frozen: &Frozen,
+) -> Result<(), KeyStoreError> {
+    let entry = AttributeValue::M(HashMap::from([
+        ("by".to_owned(), s(frozen.by.as_str())),
+        ("at".to_owned(), n(frozen.at.get())),
+    ]));
+    let sent = client
+        .update_item()
+        .table_name(table)
+        .key(attr::PK, s(partition_key(balance)))
+        .update_expression(
+            "SET #total = if_not_exists(#total, :total), #settled = if_not_exists(#settled, :zero), \
+             #reserved = if_not_exists(#reserved, :zero), #frozen = if_not_exists(#frozen, :frozen)",
+        )
+        .condition_expression("attribute_not_exists(#total) OR #total = :total")
+        .expression_attribute_names("#total", "total")
+        .expression_attribute_names("#settled", "settled")
+        .expression_attribute_names("#reserved", "reserved")
+        .expression_attribute_names("#frozen", FROZEN)
+        .expression_attribute_values(":total", n(total.unsigned_abs()))
+        .expression_attribute_values(":zero", n(0))
+        .expression_attribute_values(":frozen", entry)
+        .send()
+        .await;
+    match sent.map_err(classify) {
+        Ok(_) => Ok(()),
+        Err(Failure::Condition(_)) => Err(KeyStoreError::Fault(StoreFailure::said(format!(
+            "balance {balance} allows another total than {total}"
+        )))),
+        Err(Failure::Store(e)) => Err(e),
+    }
 }
 
 /// Concludes the hold of request `id` on `balance`, once.
@@ -238,22 +317,32 @@ pub(super) async fn conclude(
     id: Uuid,
     how: Conclusion,
 ) -> Result<Concluded, KeyStoreError> {
-    let (sum, sign, to) = match how {
-        Conclusion::Settle => ("settled", "+", HoldState::Settled),
-        Conclusion::Release => ("reserved", "-", HoldState::Released),
+    let (update, from, to) = match how {
+        Conclusion::Settle => ("#settled = #settled + #hold.#amount", HoldState::Held, HoldState::Settled),
+        Conclusion::Release => ("#reserved = #reserved - #hold.#amount", HoldState::Held, HoldState::Released),
+        Conclusion::Undo => (
+            "#settled = #settled - #hold.#amount, #reserved = #reserved - #hold.#amount",
+            HoldState::Settled,
+            HoldState::Released,
+        ),
     };
+    let mut names = HashMap::from([
+        ("#hold".to_owned(), hold_attr(id)),
+        ("#state".to_owned(), "state".to_owned()),
+        ("#amount".to_owned(), "amount".to_owned()),
+    ]);
+    for sum in ["settled", "reserved"].into_iter().filter(|sum| update.contains(&format!("#{sum}"))) {
+        names.insert(format!("#{sum}"), sum.to_owned());
+    }
     let sent = client
         .update_item()
         .table_name(table)
         .key(attr::PK, s(partition_key(balance)))
-        .update_expression(format!("SET #hold.#state = :to, #sum = #sum {sign} #hold.#amount"))
-        .condition_expression("#hold.#state = :held")
-        .expression_attribute_names("#hold", hold_attr(id))
-        .expression_attribute_names("#state", "state")
-        .expression_attribute_names("#amount", "amount")
-        .expression_attribute_names("#sum", sum)
+        .update_expression(format!("SET #hold.#state = :to, {update}"))
+        .condition_expression("#hold.#state = :from")
+        .set_expression_attribute_names(Some(names))
         .expression_attribute_values(":to", s(to.as_str()))
-        .expression_attribute_values(":held", s(HoldState::Held.as_str()))
+        .expression_attribute_values(":from", s(from.as_str()))
         .send()
         .await;
     match sent.map_err(classify) {
@@ -366,10 +455,18 @@ pub(super) fn decode(attrs: &Attrs) -> Result<Balance, KeyStoreError> {
         });
     }
     holds.sort_by_key(|h| (h.at, h.by.id));
+    let frozen = match attrs.get(FROZEN) {
+        None => None,
+        Some(value) => {
+            let entry = value.as_m().map_err(|_| malformed(FROZEN, "not a map"))?;
+            Some(Frozen { by: text(entry, "by")?, at: Millis::new(number(entry, "at")?.unsigned_abs()) })
+        }
+    };
     Ok(Balance {
         total: number(attrs, "total")?,
         reserved: number(attrs, "reserved")?,
         settled: number(attrs, "settled")?,
         holds,
+        frozen,
     })
 }

@@ -22,7 +22,7 @@ use aws_sdk_dynamodb::types::{
     AttributeValue, PutRequest, ReturnValue, ReturnValuesOnConditionCheckFailure, WriteRequest,
 };
 
-use super::balance::{Balance, Concluded, Conclusion, HeldBy, Hold, Holding};
+use super::balance::{Balance, Concluded, Conclusion, Frozen, HeldBy, Hold, Holding};
 use super::item::{CONTROL_PREFIX, attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{
     Claim, Finish, Handoff, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release,
@@ -615,6 +615,12 @@ impl KeyStore for DynamoKeyStore {
     async fn hold(&self, hold: &Hold, by: &HeldBy, now: Millis) -> Result<Holding, KeyStoreError> {
         let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "hold")]);
         balance::take(&self.client, &self.table, hold, by, now).await
+    }
+
+    #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", balance, by = %frozen.by))]
+    async fn freeze(&self, balance: &str, total: i64, frozen: &Frozen) -> Result<(), KeyStoreError> {
+        let _timer = Timer::start("keyfence_key_store_seconds", &[("op", "freeze")]);
+        balance::freeze(&self.client, &self.table, balance, total, frozen).await
     }
 
     #[tracing::instrument(skip_all, fields(otel.name = "UpdateItem", otel.kind = "client", db.system.name = "aws.dynamodb", db.operation.name = "UpdateItem", balance, %id, how = ?how))]

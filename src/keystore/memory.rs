@@ -7,9 +7,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use super::{
-    Balance, Claim, Concluded, Conclusion, Finish, Handoff, HeldBy, Hold, HoldEntry, HoldState, Holder, Holding,
-    KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, ScanPage, StaleKey, StoreFailure, inflight_shard,
-    shard_name,
+    Balance, Claim, Concluded, Conclusion, Finish, Frozen, Handoff, HeldBy, Hold, HoldEntry, HoldState, Holder,
+    Holding, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release, ScanPage, StaleKey, StoreFailure,
+    inflight_shard, shard_name,
 };
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 use uuid::Uuid;
@@ -259,7 +259,7 @@ impl KeyStore for MemoryKeyStore {
             if balance.hold(by.id).is_some() {
                 return Ok(Holding::Held);
             }
-            if hold.amount <= 0 || hold.amount > balance.left() {
+            if hold.amount <= 0 || hold.amount > balance.room_for(hold) {
                 return Ok(Holding::Exceeded { left: balance.left() });
             }
             balance.reserved += hold.amount;
@@ -274,18 +274,33 @@ impl KeyStore for MemoryKeyStore {
         })
     }
 
+    async fn freeze(&self, balance: &str, total: i64, frozen: &Frozen) -> Result<(), KeyStoreError> {
+        self.with_balances(|all| {
+            let balance = all.entry(balance.to_owned()).or_insert_with(|| Balance { total, ..Balance::default() });
+            if balance.total != total {
+                return Err(KeyStoreError::Fault(StoreFailure::said("the balance allows another total")));
+            }
+            balance.frozen.get_or_insert_with(|| frozen.clone());
+            Ok(())
+        })
+    }
+
     async fn conclude_hold(&self, balance: &str, id: Uuid, how: Conclusion) -> Result<Concluded, KeyStoreError> {
         self.with_balances(|all| {
             let Some(balance) = all.get_mut(balance) else { return Ok(Concluded::Missing) };
             let Some(entry) = balance.holds.iter_mut().find(|h| h.by.id == id) else { return Ok(Concluded::Missing) };
             let to = match how {
                 Conclusion::Settle => HoldState::Settled,
-                Conclusion::Release => HoldState::Released,
+                Conclusion::Release | Conclusion::Undo => HoldState::Released,
             };
             let amount = entry.amount;
             match (entry.state, how) {
                 (HoldState::Held, Conclusion::Settle) => balance.settled += amount,
                 (HoldState::Held, Conclusion::Release) => balance.reserved -= amount,
+                (HoldState::Settled, Conclusion::Undo) => {
+                    balance.settled -= amount;
+                    balance.reserved -= amount;
+                }
                 (state, _) if state == to => return Ok(Concluded::Already),
                 // Released, then settled after all: taken back first, if there is room.
                 (HoldState::Released, Conclusion::Settle) if balance.total - balance.reserved >= amount => {

@@ -26,7 +26,7 @@ use uuid::Uuid;
 
 use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
-pub use balance::{Balance, Concluded, Conclusion, HeldBy, Hold, HoldEntry, HoldState, Holding};
+pub use balance::{Balance, Concluded, Conclusion, Frozen, HeldBy, Hold, HoldEntry, HoldState, Holding};
 pub use dynamo::{ConnectError, DynamoKeyStore, connect};
 pub use error::{KeyStoreError, StoreFailure};
 pub use handoff::Handoff;
@@ -260,10 +260,21 @@ pub trait KeyStore: Send + Sync {
         now: Millis,
     ) -> impl Future<Output = Result<Holding, KeyStoreError>> + Send;
 
-    /// Settles or releases the hold of request `id` on `balance`, once:
-    /// concluding it again the same way is `Already`. A hold released
-    /// before is settled only if the balance has room for it again (taken
-    /// back first); without room, and releasing a settled hold, is a fault.
+    /// Freezes `balance` (allowing `total`) for good, recording `frozen`:
+    /// from then on only lasting holds are taken on it. A balance never
+    /// drawn on is made frozen; freezing again keeps the first record.
+    fn freeze(
+        &self,
+        balance: &str,
+        total: i64,
+        frozen: &Frozen,
+    ) -> impl Future<Output = Result<(), KeyStoreError>> + Send;
+
+    /// Settles or releases the hold of request `id` on `balance`, or undoes
+    /// a settled one, once: concluding it again the same way is `Already`.
+    /// A hold released before is settled only if the balance has room for
+    /// it again (taken back first); without room, releasing a settled hold,
+    /// and undoing one not settled yet, is a fault.
     fn conclude_hold(
         &self,
         balance: &str,

@@ -17,7 +17,7 @@ use std::time::Duration;
 use keyfence::domain::{Fence, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey};
 use keyfence::engine::{Answer, Engine, EngineSettings, Rails, Submission};
 use keyfence::keystore::{
-    Balance, Claim, Concluded, Conclusion, Finish, Handoff, HeldBy, Hold, Holder, Holding, KeyItem, KeyStore,
+    Balance, Claim, Concluded, Conclusion, Finish, Frozen, Handoff, HeldBy, Hold, Holder, Holding, KeyItem, KeyStore,
     KeyStoreError, Lease, Release, ScanPage, StaleKey,
 };
 use keyfence::operations::PaymentOperation;
@@ -137,6 +137,10 @@ impl<K: KeyStore> KeyStore for Counting<K> {
     async fn hold(&self, hold: &Hold, by: &HeldBy, now: Millis) -> Result<Holding, KeyStoreError> {
         self.note("hold");
         self.inner.hold(hold, by, now).await
+    }
+    async fn freeze(&self, balance: &str, total: i64, frozen: &Frozen) -> Result<(), KeyStoreError> {
+        self.note("freeze");
+        self.inner.freeze(balance, total, frozen).await
     }
     async fn conclude_hold(&self, balance: &str, id: Uuid, how: Conclusion) -> Result<Concluded, KeyStoreError> {
         self.note("conclude_hold");

@@ -9,7 +9,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use futures::future::join_all;
 use keyfence::domain::{IdempotencyKey, Millis, RefundRequest, RequestHash, ScopedKey};
 use keyfence::engine::{Answer, EngineError, Submission};
-use keyfence::keystore::{Concluded, Conclusion, HeldBy, Hold, HoldState, Holding, KeyStore};
+use keyfence::keystore::{Concluded, Conclusion, Frozen, HeldBy, Hold, HoldState, Holding, KeyStore};
 use keyfence::operations::{RefundOperation, RefundOrder, RefundedPayment};
 use keyfence::reconcile::Class;
 use keyfence::startup::build_engine;
@@ -502,4 +502,45 @@ async fn a_hold_concludes_once_and_a_released_one_settles_only_with_room() {
     assert_eq!((now.total, now.reserved, now.settled), (1000, 600, 600));
     assert!(store.conclude_hold(balance, first.id, Conclusion::Release).await.is_err(), "a settled hold stays settled");
     assert_eq!(store.conclude_hold(balance, Uuid::now_v7(), Conclusion::Settle).await.unwrap(), Concluded::Missing);
+}
+
+/// A frozen balance (a return was received) takes no hold but a lasting
+/// one, whatever it has left, and a hold released after the freeze does not
+/// make room for a new one; freezing again keeps the first record, and a
+/// balance never drawn on is made frozen. The key store in memory (the
+/// model's) behaves the same.
+#[tokio::test]
+async fn a_frozen_balance_takes_only_lasting_holds() {
+    let app = spawn_app().await;
+    let client = app.client_id().await;
+    check_freeze(&app.keys.store, client).await;
+    check_freeze(&keyfence::keystore::MemoryKeyStore::new(), client).await;
+}
+
+async fn check_freeze(store: &impl KeyStore, client: keyfence::domain::ClientId) {
+    let balance = format!("refundable#payment#{}", Uuid::now_v7());
+    let hold = |amount, lasting| Hold { balance: balance.clone(), total: 1000, amount, lasting };
+    let by = |name: &str| HeldBy {
+        id: Uuid::now_v7(),
+        key: ScopedKey::new(client, IdempotencyKey::parse(name).unwrap()),
+        created_at: Millis::now(),
+        region: "test-1".into(),
+    };
+    let (refund, later, returned) = (by("refund"), by("later"), by("return"));
+    assert_eq!(store.hold(&hold(300, false), &refund, Millis::now()).await.unwrap(), Holding::Held);
+    let first = Frozen { by: "return evt_1 from e2".into(), at: Millis::new(1_000) };
+    store.freeze(&balance, 1000, &first).await.unwrap();
+    let again = Frozen { by: "return evt_2 from e2".into(), at: Millis::new(2_000) };
+    store.freeze(&balance, 1000, &again).await.unwrap();
+    assert_eq!(store.conclude_hold(&balance, refund.id, Conclusion::Release).await.unwrap(), Concluded::Now);
+    assert_eq!(store.hold(&hold(100, false), &later, Millis::now()).await.unwrap(), Holding::Exceeded { left: 0 });
+    assert_eq!(store.hold(&hold(1000, true), &returned, Millis::now()).await.unwrap(), Holding::Held, "lasting");
+    let now = store.balance(&balance).await.unwrap().unwrap();
+    assert_eq!((now.reserved, now.left(), now.frozen), (1000, 0, Some(first)), "the first freeze is kept");
+    assert!(store.freeze(&balance, 999, &again).await.is_err(), "another total");
+
+    let untouched = format!("refundable#payment#{}", Uuid::now_v7());
+    store.freeze(&untouched, 500, &again).await.unwrap();
+    let made = store.balance(&untouched).await.unwrap().unwrap();
+    assert_eq!((made.total, made.reserved, made.frozen.is_some()), (500, 0, true));
 }
