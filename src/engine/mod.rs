@@ -13,6 +13,7 @@ mod derived_key;
 mod error;
 mod holds;
 mod lease;
+mod moved;
 mod operation;
 mod recover;
 mod run;
@@ -30,6 +31,7 @@ use crate::regions::RegionView;
 
 pub use derived_key::derived_key;
 pub use error::{Cause, EngineError, Fenced};
+pub use moved::{Moved, moved_away};
 pub use operation::{ExternalStep, Operation, Step, StepContext};
 pub use recover::Recovery;
 pub use submit::Submission;

@@ -107,13 +107,9 @@ pub async fn judge<K: KeyStore>(
     let key = IdempotencyKey::parse(held.idem_key)
         .map(|key| ScopedKey::new(client, key))
         .map_err(|e| EngineError::Fault(format!("stored key {:?}: {e}", held.idem_key)))?;
-    let item = engine.keys().get(&key).await?.filter(|item| item.created_at == created_at);
-    Ok(match item {
-        Some(item) if item.home_region == engine.region() && status != "voided" => Standing::Live,
-        Some(item) => Standing::Leftover { home: Some(item.home_region) },
-        None if status == "voided" || engine.keys().handoff_of(engine.region(), &key, created_at).await? => {
-            Standing::Leftover { home: None }
-        }
+    Ok(match engine.moved_away(&key, created_at).await? {
+        Some(moved) => Standing::Leftover { home: moved.home },
+        None if status == "voided" => Standing::Leftover { home: None },
         None => Standing::Live,
     })
 }

@@ -61,6 +61,8 @@ pub struct Taken {
     pub payment_status: String,
     pub payment_id: Uuid,
     pub idem_key: String,
+    /// Which request under the key (its `created_at`).
+    pub request_created_at: OffsetDateTime,
     /// Written before the ledger's region fence last changed: the payment
     /// may have been taken over by another region meanwhile.
     pub before_fence_change: bool,
@@ -244,6 +246,7 @@ impl Deliveries {
                 AND o.event_id = d.event_id AND p.id = o.payment_id
           RETURNING d.event_id, d.endpoint_id, d.webhook_id, o.client_id, o.event, o.payload, o.created_at,
                     d.attempts, d.lease, p.status AS payment_status, p.id AS payment_id, p.idem_key,
+                    p.request_created_at,
                     o.created_at < (SELECT changed_at FROM region_fence) AS before_fence_change",
         )
         .bind(limit)

@@ -23,7 +23,8 @@ use super::send::{Response, Sender};
 use super::{Endpoint, EndpointStore, signature, webhook_id};
 use crate::config::DeliverySettings;
 use crate::domain::{ClientId, IdempotencyKey, Millis, ScopedKey};
-use crate::keystore::{DynamoKeyStore, KeyStore};
+use crate::engine::{Moved, moved_away};
+use crate::keystore::DynamoKeyStore;
 use crate::ledger::{LedgerError, millis};
 
 /// Events fanned out in one round at most.
@@ -234,18 +235,15 @@ impl Worker {
     /// since its event was written here: then that region's ledger holds
     /// the payment's events, and this one's are stale.
     /// An error if the key store could not say (the delivery waits).
-    async fn moved_away(&self, taken: &Taken) -> Result<Option<String>, String> {
+    async fn moved_away(&self, taken: &Taken) -> Result<Option<Moved>, String> {
         if !taken.before_fence_change {
             return Ok(None);
         }
         let Ok(key) = IdempotencyKey::parse(&taken.idem_key) else { return Ok(None) };
-        match self.keys.get(&ScopedKey::new(taken.client(), key)).await {
-            Ok(Some(item)) if item.payment_id == taken.payment_id && item.home_region != self.region => {
-                Ok(Some(item.home_region))
-            }
-            Ok(_) => Ok(None),
-            Err(e) => Err(format!("the payment's key could not be read: {e}")),
-        }
+        let (key, created_at) = (ScopedKey::new(taken.client(), key), millis(taken.request_created_at));
+        moved_away(&self.keys, &self.region, &key, created_at)
+            .await
+            .map_err(|e| format!("the payment's key or hand-off could not be read: {e}"))
     }
 
     /// One attempt of one delivery taken at `asked` (or before), and what
@@ -272,8 +270,10 @@ impl Worker {
                 (Outcome::Failed { status: None, error }, FollowUp::None)
             }
             Some(Some(e)) => match self.moved_away(&taken).await {
-                Ok(Some(region)) => {
-                    let error = format!("the payment was taken over by region {region}, which sends its events");
+                Ok(Some(moved)) => {
+                    let region =
+                        moved.home.map_or("another region (a hand-off says so)".to_owned(), |r| format!("region {r}"));
+                    let error = format!("the payment was taken over by {region}, which sends its events");
                     (Outcome::Failed { status: None, error }, FollowUp::None)
                 }
                 Ok(None) => self.attempt(&taken, e).await,
