@@ -135,7 +135,10 @@ fn describe() {
         "Notifications from the rails, by kind and what became of them on arrival"
     );
     describe_counter!("keyfence_notified_verdicts_total", "External steps settled by a rail's notification, by step");
-    describe_counter!("keyfence_returns_total", "Settled payments the rail returned, posted back to the debtor");
+    describe_counter!(
+        "keyfence_returns_total",
+        "Returns the rail made of what settled, posted back: of a payment (to its debtor) or of a refund (to the creditor)"
+    );
     describe_gauge!(
         "keyfence_webhook_undelivered",
         "Webhook deliveries of this region's ledger still to arrive (and events not yet fanned out)"

@@ -26,7 +26,7 @@ pub enum WebhooksCommand {
         #[arg(long)]
         url: String,
         /// An event to send (repeat for more): payment.succeeded, payment.rejected, payment.indeterminate,
-        /// payment.returned, refund.succeeded, refund.rejected, refund.indeterminate.
+        /// payment.returned, refund.succeeded, refund.rejected, refund.indeterminate, refund.returned.
         #[arg(long = "event", required = true)]
         events: Vec<String>,
         /// The endpoint may be inside the network or plain http on this machine (development only).

@@ -19,7 +19,7 @@ use std::time::Duration;
 use crate::domain::{Millis, RecoveryPoint, StoredResponse};
 use crate::failpoint;
 use crate::keystore::{Concluded, Conclusion, Finish, HeldBy, Holding, KeyState, KeyStore, KeyStoreError, Release};
-use crate::ledger::external::{self, CallWrites};
+use crate::ledger::external::{self, CallWrites, Intent, Sent};
 use crate::rail::{CallOutcome, ProbeOutcome, Verdict};
 
 use super::error::{Cause, Fenced};
@@ -285,6 +285,10 @@ impl<K: KeyStore> Engine<K> {
         // a second would go unrecorded, so it is refused, never overwritten).
         let twice = |what: &str| EngineError::Fault(format!("a phase carries one {what} at most"));
         let mut calls = CallWrites::default();
+        let instruction = work.iter().find_map(|item| match item {
+            Work::Intent(ext) => Some(op.instruction(ext)),
+            _ => None,
+        });
         for item in work {
             match item {
                 Work::Outcome(ext) => {
@@ -294,7 +298,16 @@ impl<K: KeyStore> Engine<K> {
                     }
                 }
                 Work::Intent(ext) => {
-                    let intent = (ext.name, derived_key(&attempt.record.key, attempt.record.payment_id, ext.name));
+                    let sent = instruction.as_ref().ok_or_else(missing)?;
+                    let intent = Intent {
+                        step: ext.name,
+                        derived_key: derived_key(&attempt.record.key, attempt.record.payment_id, ext.name),
+                        sent: Sent {
+                            end_to_end_id: &sent.end_to_end_id,
+                            amount_minor: sent.amount_minor,
+                            currency: &sent.currency,
+                        },
+                    };
                     if calls.intent.replace(intent).is_some() {
                         return Err(twice("intent"));
                     }

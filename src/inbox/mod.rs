@@ -13,9 +13,15 @@
 //!   ([`apply_return`]): compensating entries, the payment `returned`,
 //!   `payment.returned` queued, the message marked applied, all at once; a
 //!   return that arrives before its payment has settled waits for it; a
-//!   return first holds the whole payment on its refundable balance (so no
-//!   refund begins after it), and one of a payment with refunds (made or in
-//!   flight) is kept for a person instead;
+//!   return first freezes the payment's refundable balance (no refund
+//!   begins after it, whatever becomes of the return), then holds the whole
+//!   payment on it; one of a payment with refunds (made or in flight) is
+//!   kept for a person instead;
+//! - a return of a refund (its money never reached the debtor) undoes the
+//!   refund's hold on its payment's balance, then marks it `returned` with
+//!   a compensating entry and queues `refund.returned`;
+//! - a return of a request that moved to another region is kept for a
+//!   person, whether its key still says so or only a hand-off does;
 //! - a message naming no instruction of this ledger is kept (state
 //!   `unknown`) for the reconciler.
 //!
@@ -27,12 +33,17 @@ pub mod worker;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use sqlx::{Postgres, Transaction};
+
 use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
-use crate::keystore::{HeldBy, Holding, KeyState, KeyStore};
-use crate::ledger::LedgerError;
+use crate::keystore::{Concluded, Conclusion, Frozen, HeldBy, Holding, KeyState, KeyStore};
 use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
-use crate::operations::{RefundOperation, Registered, ReturnEffect, apply_return as apply_payment_return};
+use crate::ledger::{LedgerError, payments, refunds};
+use crate::operations::{
+    RefundOperation, Registered, ReturnEffect, apply_refund_return, apply_return as apply_payment_return,
+    refund_returnable,
+};
 use crate::rail::{Notice, Returned};
 
 /// The secret each rail signs its notifications with, by the name in its
@@ -173,27 +184,59 @@ pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingRetu
     let returned: Returned = serde_json::from_value(pending.body.clone())
         .map_err(|e| EngineError::Fault(format!("a stored return does not read: {e}")))?;
     let Some(mut tx) = engine.ledger().begin_return(pending).await? else { return Ok(()) };
-    // A copy here the reconciler has not voided yet may still say
-    // succeeded while the payment lives in the region that took it over.
-    if let Some(item) = engine.keys().get(&pending.key).await?
-        && item.payment_id == pending.payment_id
-        && item.home_region != engine.region()
-    {
-        let why = "the payment's live copy is in another region, which must take the return";
-        settle_message(&mut tx, &pending.rail, &pending.message_id, "unknown", Some(why)).await?;
-        tx.commit().await.map_err(LedgerError::from)?;
-        tracing::warn!(
-            id = pending.message_id,
-            region = item.home_region,
-            "a return for a payment that moved; kept for the reconciler"
-        );
-        return Ok(());
+    let effect = match refunds::current(&mut tx, pending.payment_id).await? {
+        Some(refund) => return_refund(engine, pending, &mut tx, &refund, &returned).await?,
+        None => return_payment(engine, pending, &mut tx, &returned).await?,
+    };
+    let what = if effect.refund { "refund" } else { "payment" };
+    let (state, note) = match effect.effect {
+        ReturnEffect::Returned => ("applied", None),
+        ReturnEffect::NotYetSettled => return Ok(()),
+        ReturnEffect::AlreadyReturned => ("ignored", Some("it was returned already")),
+        ReturnEffect::Unmatched(why) => ("unknown", Some(why)),
+    };
+    settle_message(&mut tx, &pending.rail, &pending.message_id, state, note).await?;
+    tx.commit().await.map_err(LedgerError::from)?;
+    match effect.effect {
+        ReturnEffect::Returned => {
+            metrics::counter!("keyfence_returns_total", "of" => what).increment(1);
+            tracing::info!(id = %pending.payment_id, what, reason = returned.reason_code, "returned by the rail");
+        }
+        ReturnEffect::Unmatched(why) => {
+            tracing::warn!(message = pending.message_id, id = %pending.payment_id, what, why, "a return kept for a person");
+        }
+        _ => {}
     }
-    // A return takes back the whole payment: it holds all of what is left
-    // to refund, for good, on the same balance refunds hold on. So money
-    // refunded (or held for a refund in flight) never goes back twice, and
-    // no refund begins once the return did.
-    let paid = crate::ledger::payments::current(&mut tx, pending.payment_id).await?;
+    Ok(())
+}
+
+/// What a return came to, and whether it was of a refund.
+struct Taken {
+    effect: ReturnEffect,
+    refund: bool,
+}
+
+/// A payment's return. From the moment a return is received no new refund
+/// of the payment begins, whatever becomes of the return: the balance is
+/// frozen first, before anything is settled in the ledger (a retry freezes
+/// it again, harmlessly), so a crash in between leaves it frozen and the
+/// message pending, to be applied again. Then the return holds the whole
+/// payment, for good, on the same balance refunds hold on, so money
+/// refunded (or held for a refund in flight) never goes back twice: one
+/// that overlaps refunds is kept for a person.
+async fn return_payment<K: KeyStore>(
+    engine: &Engine<K>,
+    pending: &PendingReturn,
+    tx: &mut Transaction<'static, Postgres>,
+    returned: &Returned,
+) -> Result<Taken, EngineError> {
+    let taken = |effect| Ok(Taken { effect, refund: false });
+    let paid = payments::current(tx, pending.payment_id).await?;
+    let frozen = Frozen { by: format!("return {} from {}", pending.message_id, pending.rail), at: Millis::now() };
+    engine.keys().freeze(&RefundOperation::balance_of(pending.payment_id), paid.amount_minor, &frozen).await?;
+    if engine.moved_away(&pending.key, pending.created_at).await?.is_some() {
+        return taken(ReturnEffect::Unmatched(MOVED));
+    }
     let hold = RefundOperation::hold_for_return(pending.payment_id, paid.amount_minor);
     let by = HeldBy {
         id: RefundOperation::return_hold_id(pending.payment_id),
@@ -202,27 +245,41 @@ pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingRetu
         region: engine.region().to_owned(),
     };
     if let Holding::Exceeded { .. } = engine.keys().hold(&hold, &by, Millis::now()).await? {
-        let why = "the payment has refunds, made or in flight: the return overlaps them; settle it with the rail";
-        settle_message(&mut tx, &pending.rail, &pending.message_id, "unknown", Some(why)).await?;
-        tx.commit().await.map_err(LedgerError::from)?;
-        tracing::warn!(id = pending.message_id, "a return of a refunded payment; kept for a person");
-        return Ok(());
+        return taken(ReturnEffect::Unmatched(
+            "the payment has refunds, made or in flight: the return overlaps them; settle it with the rail",
+        ));
     }
-    let effect = apply_payment_return(&mut tx, pending.payment_id, &returned).await?;
-    let (state, note) = match effect {
-        ReturnEffect::Returned => ("applied", None),
-        ReturnEffect::NotYetSettled => return Ok(()),
-        ReturnEffect::AlreadyReturned => ("ignored", Some("the payment was returned already")),
-        ReturnEffect::Unmatched(why) => ("unknown", Some(why)),
-    };
-    settle_message(&mut tx, &pending.rail, &pending.message_id, state, note).await?;
-    tx.commit().await.map_err(LedgerError::from)?;
-    if effect == ReturnEffect::Returned {
-        metrics::counter!("keyfence_returns_total").increment(1);
-        tracing::info!(payment = %pending.payment_id, reason = returned.reason_code, "payment returned by the rail");
-    }
-    Ok(())
+    taken(apply_payment_return(tx, pending.payment_id, returned).await?)
 }
+
+/// A refund's return: its money never reached the debtor. The refund's
+/// hold on its payment's balance is undone first (what is left to refund
+/// grows by its amount), before anything is settled in the ledger (a retry
+/// finds it undone and goes on), then the refund is marked returned.
+async fn return_refund<K: KeyStore>(
+    engine: &Engine<K>,
+    pending: &PendingReturn,
+    tx: &mut Transaction<'static, Postgres>,
+    refund: &refunds::Standing,
+    returned: &Returned,
+) -> Result<Taken, EngineError> {
+    let taken = |effect| Ok(Taken { effect, refund: true });
+    if engine.moved_away(&pending.key, pending.created_at).await?.is_some() {
+        return taken(ReturnEffect::Unmatched(MOVED));
+    }
+    if let Err(effect) = refund_returnable(refund, returned) {
+        return taken(effect);
+    }
+    let balance = RefundOperation::balance_of(refund.refund.payment_id);
+    if engine.keys().conclude_hold(&balance, refund.refund.id, Conclusion::Undo).await? == Concluded::Missing {
+        tracing::warn!(refund = %refund.refund.id, balance, "a returned refund had no hold to undo");
+    }
+    apply_refund_return(tx, refund, returned).await?;
+    taken(ReturnEffect::Returned)
+}
+
+/// Why a return of a request that moved away is kept.
+const MOVED: &str = "its live copy is in another region, which must take the return";
 
 impl Arrival {
     fn label(&self) -> &'static str {

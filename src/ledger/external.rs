@@ -20,7 +20,26 @@ use crate::rail::Verdict;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CallWrites<'a> {
     pub verdict: Option<(&'a str, &'a Verdict)>,
-    pub intent: Option<(&'a str, uuid::Uuid)>,
+    pub intent: Option<Intent<'a>>,
+}
+
+/// The intent of an external step: its derived key, and what its
+/// instruction carries that a rail's notification about it is matched
+/// against.
+#[derive(Clone, Copy, Debug)]
+pub struct Intent<'a> {
+    pub step: &'a str,
+    pub derived_key: uuid::Uuid,
+    pub sent: Sent<'a>,
+}
+
+/// What a notification about an instruction must repeat: its end-to-end
+/// reference, amount and currency.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Sent<'a> {
+    pub end_to_end_id: &'a str,
+    pub amount_minor: i64,
+    pub currency: &'a str,
 }
 
 /// [`CallWrites`] as the opening statement binds them: arrays, empty when
@@ -32,14 +51,18 @@ pub(super) struct CallBinds {
     pub verdict_steps: Vec<String>,
     pub verdict_outcomes: Vec<&'static str>,
     pub verdict_results: Vec<serde_json::Value>,
+    pub intent_sent: Vec<serde_json::Value>,
 }
 
 impl CallWrites<'_> {
     pub(super) fn binds(&self) -> Result<CallBinds, LedgerError> {
         let mut binds = CallBinds::default();
-        if let Some((step, key)) = self.intent {
-            binds.intent_steps.push(step.to_owned());
-            binds.intent_keys.push(key);
+        if let Some(intent) = self.intent {
+            let sent = serde_json::to_value(intent.sent)
+                .map_err(|e| LedgerError::Corrupt(format!("an instruction that does not serialise: {e}")))?;
+            binds.intent_steps.push(intent.step.to_owned());
+            binds.intent_keys.push(intent.derived_key);
+            binds.intent_sent.push(sent);
         }
         if let Some((step, verdict)) = self.verdict {
             let (outcome, result) = match verdict {
@@ -57,7 +80,7 @@ impl CallWrites<'_> {
 
 /// The common table expressions that make [`CallWrites`], for a phase's
 /// opening statement whose `moved` says the fence check passed, with the
-/// request's key as `$1`-`$3`, its fence as `$fence` and the five arrays
+/// request's key as `$1`-`$3`, its fence as `$fence` and the six arrays
 /// of [`CallBinds`] from `$first` on, writing the calls to `calls` (the
 /// table, or the request's partition of it). Notifications waiting in the inbox
 /// for the same instruction take effect with the verdict: one of the same
@@ -66,11 +89,12 @@ impl CallWrites<'_> {
 /// index of calls in doubt (a call never parked had none: its update
 /// stays heap-only).
 pub(super) fn call_writes(calls: &str, fence: u8, first: u8) -> String {
-    let [steps, keys, verdict_steps, outcomes, results] = std::array::from_fn(|i| first + i as u8);
+    let [steps, keys, verdict_steps, outcomes, results, sent] = std::array::from_fn(|i| first + i as u8);
     format!(
         "intent AS (
-        INSERT INTO {calls} (client_id, idem_key, request_created_at, step, derived_key, fence, outcome)
-        SELECT $1, $2, $3, step, key, ${fence}, 'sent' FROM unnest(${steps}::text[], ${keys}::uuid[]) AS i(step, key)
+        INSERT INTO {calls} (client_id, idem_key, request_created_at, step, derived_key, fence, outcome, sent)
+        SELECT $1, $2, $3, step, key, ${fence}, 'sent', sent
+          FROM unnest(${steps}::text[], ${keys}::uuid[], ${sent}::jsonb[]) AS i(step, key, sent)
          WHERE EXISTS (SELECT 1 FROM moved)),
      verdict AS (
         UPDATE {calls} c SET outcome = v.outcome, result = v.result, fence = ${fence}, done_at = now(),

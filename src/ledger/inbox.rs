@@ -73,7 +73,7 @@ pub struct Unmatched {
     pub received_at: time::OffsetDateTime,
 }
 
-/// A pending return, with the payment it returns and that payment's key.
+/// A pending return, with the payment (or refund) it returns and its key.
 #[derive(Debug, Clone)]
 pub struct PendingReturn {
     pub rail: String,
@@ -82,6 +82,7 @@ pub struct PendingReturn {
     /// The payment's request: its key's `created_at`.
     pub created_at: Millis,
     pub body: serde_json::Value,
+    /// The payment's id, or the refund's.
     pub payment_id: Uuid,
 }
 
@@ -99,6 +100,10 @@ struct Named {
     currency: Option<String>,
     end_to_end_id: Option<String>,
 }
+
+/// The steps whose instruction a rail may return: a payment's (`ext2`) and
+/// a refund's.
+const RETURNABLE: [&str; 2] = ["ext2", "refund"];
 
 /// The rail each step calls, by the name its notifications come under.
 fn rail_of(step: &str) -> &'static str {
@@ -127,7 +132,9 @@ impl Named {
         }
         let in_flight = || InFlight::of(self.client_id, &self.idem_key, self.request_created_at, self.payment_id);
         match (message.kind, self.outcome.as_str()) {
-            ("returned", _) if self.step != "ext2" => Arrival::Unknown("only the payment rail returns"),
+            ("returned", _) if !RETURNABLE.contains(&self.step.as_str()) => {
+                Arrival::Unknown("only the payment rail returns, a payment or a refund")
+            }
             ("applied", "done") | ("declined", "declined") => Arrival::Ignored,
             ("applied" | "declined", "done" | "declined") => Arrival::Unknown("it contradicts the outcome recorded"),
             _ => in_flight().map_or(Arrival::Unknown("the request's key does not read"), Arrival::Pending),
@@ -141,13 +148,19 @@ impl Ledger {
         let named: Option<Named> = match message.derived_key {
             None => None,
             Some(key) => {
+                // Matched against what the call's instruction carried (for
+                // every operation); a call recorded before that was kept
+                // is matched against its payment, as it was then.
                 sqlx::query_as(
-                    "SELECT c.client_id, c.idem_key, c.request_created_at, c.step, c.outcome, r.payment_id,
-                            p.status, p.amount_minor, p.currency, p.end_to_end_id
+                    "SELECT c.client_id, c.idem_key, c.request_created_at, c.step, c.outcome, r.payment_id, s.status,
+                            coalesce((c.sent->>'amount_minor')::bigint, p.amount_minor) AS amount_minor,
+                            coalesce(c.sent->>'currency', p.currency) AS currency,
+                            coalesce(c.sent->>'end_to_end_id', p.end_to_end_id) AS end_to_end_id
                        FROM external_calls c
                        JOIN requests r ON (r.client_id, r.idem_key, r.created_at)
                                         = (c.client_id, c.idem_key, c.request_created_at)
-                       LEFT JOIN payments p ON p.id = r.payment_id
+                       LEFT JOIN ledger_subjects s ON s.id = r.payment_id
+                       LEFT JOIN payments p ON p.id = r.payment_id AND c.sent IS NULL
                       WHERE c.derived_key = $1",
                 )
                 .bind(key)
@@ -236,14 +249,35 @@ impl Ledger {
         Ok(overtaken.rows_affected() + stale.rows_affected())
     }
 
-    /// Every message that named no instruction of this ledger, oldest first.
+    /// Every message kept for a person (it named no instruction of this
+    /// ledger, or could not take effect here), oldest first: all of them,
+    /// read a page at a time.
     pub async fn unmatched(&self) -> Result<Vec<Unmatched>, LedgerError> {
-        Ok(sqlx::query_as(
-            "SELECT rail, message_id, kind, body->>'idempotency_key' AS idempotency_key, note, received_at
-               FROM inbox WHERE state = 'unknown' ORDER BY received_at LIMIT 1000",
-        )
-        .fetch_all(&self.pool)
-        .await?)
+        const PAGE: i64 = 1000;
+        let mut all: Vec<Unmatched> = Vec::new();
+        loop {
+            let (at, rail, id) = match all.last() {
+                Some(last) => (Some(last.received_at), Some(last.rail.clone()), Some(last.message_id.clone())),
+                None => (None, None, None),
+            };
+            let page: Vec<Unmatched> = sqlx::query_as(
+                "SELECT rail, message_id, kind, body->>'idempotency_key' AS idempotency_key, note, received_at
+                   FROM inbox
+                  WHERE state = 'unknown' AND ($1::timestamptz IS NULL OR (received_at, rail, message_id) > ($1, $2, $3))
+                  ORDER BY received_at, rail, message_id LIMIT $4",
+            )
+            .bind(at)
+            .bind(rail)
+            .bind(id)
+            .bind(PAGE)
+            .fetch_all(&self.pool)
+            .await?;
+            let last_page = page.len() < PAGE as usize;
+            all.extend(page);
+            if last_page {
+                return Ok(all);
+            }
+        }
     }
 
     /// Requests with a verdict waiting in the inbox, oldest first.
@@ -266,9 +300,9 @@ impl Ledger {
             .collect())
     }
 
-    /// Returns whose payment is no longer in flight (so they can take
-    /// effect, or be found to have none), oldest first. Those of payments
-    /// still being worked wait, without holding up the others.
+    /// Returns whose payment (or refund) is no longer in flight (so they
+    /// can take effect, or be found to have none), oldest first. Those of
+    /// requests still being worked wait, without holding up the others.
     pub async fn pending_returns(&self, limit: i64) -> Result<Vec<PendingReturn>, LedgerError> {
         type Row = (String, String, Uuid, String, OffsetDateTime, serde_json::Value, Uuid);
         let rows: Vec<Row> = sqlx::query_as(
@@ -276,8 +310,8 @@ impl Ledger {
                FROM inbox i
                JOIN external_calls c ON c.derived_key = i.derived_key
                JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
-               JOIN payments p ON p.id = r.payment_id
-              WHERE i.state = 'pending' AND i.kind = 'returned' AND p.status NOT IN ('pending', 'indeterminate')
+               JOIN ledger_subjects s ON s.id = r.payment_id
+              WHERE i.state = 'pending' AND i.kind = 'returned' AND s.status NOT IN ('pending', 'indeterminate')
               ORDER BY i.received_at LIMIT $1",
         )
         .bind(limit)
@@ -294,7 +328,7 @@ impl Ledger {
 
     /// Opens the phase that applies a return: under the region fence like
     /// every phase, with the message still pending and locked (so it takes
-    /// effect once), and the payment locked. `None` if the message was
+    /// effect once), and the payment (or refund) locked. `None` if the message was
     /// applied meanwhile; `Err(RegionFailed)` if the region is declared failed.
     pub async fn begin_return(
         &self,
@@ -316,10 +350,11 @@ impl Ledger {
         if still.is_none() {
             return Ok(None);
         }
-        sqlx::query("SELECT 1 FROM payments WHERE id = $1 FOR UPDATE")
-            .bind(pending.payment_id)
-            .execute(&mut *tx)
-            .await?;
+        for locked in
+            ["SELECT 1 FROM payments WHERE id = $1 FOR UPDATE", "SELECT 1 FROM refunds WHERE id = $1 FOR UPDATE"]
+        {
+            sqlx::query(locked).bind(pending.payment_id).execute(&mut *tx).await?;
+        }
         Ok(Some(tx))
     }
 }

@@ -230,14 +230,14 @@ pub(super) struct Statements {
     /// The first phase's opening, as common table expressions before
     /// [`OPENED`]: insert the row at its first recovery point, or move a
     /// row adopted at `STARTED` ($10) there, with the final answer if the
-    /// phase stores one ($17-$19), record the points it passes ($11) and
-    /// make its external-call writes ($12-$16). Like every phase it first
+    /// phase stores one ($18-$20), record the points it passes ($11) and
+    /// make its external-call writes ($12-$17). Like every phase it first
     /// reads the region fence, in the same statement.
     first: String,
     /// A later phase's opening, likewise: move the row from $6 to $5 under
-    /// fence $4, with the final answer if the phase stores one ($13-$15),
+    /// fence $4, with the final answer if the phase stores one ($14-$16),
     /// record the points it passes ($7) and make its external-call writes
-    /// ($8-$12), reading the region fence in the same statement.
+    /// ($8-$13), reading the region fence in the same statement.
     next: String,
     /// Stores the final answer ($4-$6) on the request's row.
     answer: String,
@@ -252,7 +252,7 @@ impl Statements {
         INSERT INTO {requests} AS r
            (client_id, idem_key, created_at, operation, request_hash, payment_id, fence, recovery_point, request,
             response_status, response_headers, response_body)
-        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $17, $18, $19 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
+        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $18, $19, $20 WHERE NOT EXISTS (SELECT 1 FROM fence WHERE failed)
         ON CONFLICT (client_id, idem_key, created_at) DO UPDATE
            SET fence = EXCLUDED.fence, recovery_point = EXCLUDED.recovery_point, updated_at = now(),
                {keep}
@@ -277,7 +277,7 @@ impl Statements {
         INSERT INTO {phase_runs} (client_id, idem_key, request_created_at, point, fence)
         SELECT $1, $2, $3, point, $4 FROM unnest($7::text[]) AS point WHERE EXISTS (SELECT 1 FROM moved)),
      {}",
-            keep_answer("$13", "$14", "$15"),
+            keep_answer("$14", "$15", "$16"),
             external::call_writes(external_calls, 4, 8)
         );
         let answer = format!(
@@ -509,7 +509,8 @@ impl Opening {
             .bind(&calls.intent_keys)
             .bind(&calls.verdict_steps)
             .bind(&calls.verdict_outcomes)
-            .bind(&calls.verdict_results);
+            .bind(&calls.verdict_results)
+            .bind(&calls.intent_sent);
         let answer = self.answer.as_ref();
         b.bind(answer.map(|a| i32::from(a.status)))
             .bind(answer.map(|a| sqlx::types::Json(&a.headers)))

@@ -26,7 +26,7 @@ pub struct Refund {
     pub reason: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rail_reference: Option<String>,
-    /// Why the rail declined it (a reason code).
+    /// Why the rail declined it, or returned it (a reason code).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decline_reason: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
@@ -115,6 +115,49 @@ pub async fn mark_indeterminate(
         .ok_or_else(|| LedgerError::Corrupt(format!("refund {id} has no row")))?;
     let previous: String = row.try_get("previous")?;
     Ok(if previous == "indeterminate" { None } else { Some(Refund::from_row(&row)?) })
+}
+
+/// A refund as it stands, with the accounts it moved money between.
+pub struct Standing {
+    pub refund: Refund,
+    pub debtor_account: String,
+    pub creditor_account: String,
+}
+
+/// Refund `id` as it stands, if this ledger holds it.
+pub async fn current(conn: &mut PgConnection, id: Uuid) -> Result<Option<Standing>, LedgerError> {
+    let query = format!("SELECT {COLUMNS}, debtor_account, creditor_account FROM refunds WHERE id = $1");
+    let Some(row) = sqlx::query(sqlx::AssertSqlSafe(query)).bind(id).fetch_optional(conn).await? else {
+        return Ok(None);
+    };
+    Ok(Some(Standing {
+        refund: Refund::from_row(&row)?,
+        debtor_account: row.try_get("debtor_account")?,
+        creditor_account: row.try_get("creditor_account")?,
+    }))
+}
+
+/// Marks a refund returned by the rail (its money never reached the
+/// debtor), keeping the reason code where a decline's goes; returns it as
+/// it now stands, whose it is, and the fence it was last written under.
+pub async fn mark_returned(
+    conn: &mut PgConnection,
+    id: Uuid,
+    reason: &str,
+) -> Result<(Refund, ClientId, Fence), LedgerError> {
+    let query = format!(
+        "UPDATE refunds SET status = 'returned', decline_reason = $2, updated_at = now()
+          WHERE id = $1 RETURNING {COLUMNS}, fence, client_id"
+    );
+    let row = sqlx::query(sqlx::AssertSqlSafe(query))
+        .bind(id)
+        .bind(reason)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| LedgerError::Corrupt(format!("refund {id} has no row")))?;
+    let fence: i64 = row.try_get("fence")?;
+    let client: Uuid = row.try_get("client_id")?;
+    Ok((Refund::from_row(&row)?, ClientId::new(client), Fence::new(fence.unsigned_abs())))
 }
 
 /// Marks a refund voided, if it has a row (see [`super::payments::mark_voided`]).

@@ -9,7 +9,9 @@ pub mod payment;
 pub mod refund;
 
 pub use payment::{PaymentOperation, ReturnEffect, apply_return};
-pub use refund::{RefundOperation, RefundOrder, RefundedPayment};
+pub use refund::{
+    RefundOperation, RefundOrder, RefundedPayment, apply_return as apply_refund_return, returnable as refund_returnable,
+};
 
 use crate::domain::{RecoveryPoint, StoredResponse};
 use crate::engine::{EngineError, ExternalStep, Operation, Step, StepContext};

@@ -26,11 +26,12 @@ use crate::domain::{RecoveryPoint, RefundRequest, StoredResponse};
 use crate::engine::{EngineError, ExternalStep, Operation, Step, StepContext};
 use crate::keystore::Hold;
 use crate::ledger::payments::{self, Leg};
-use crate::ledger::refunds::{self, NewRefund, Refund};
-use crate::rail::{Declined, Instruction};
+use crate::ledger::refunds::{self, NewRefund, Refund, Standing};
+use crate::ledger::writes::Writes;
+use crate::rail::{Declined, Instruction, Returned};
 use crate::webhooks;
 
-use super::PAYMENT_RAIL;
+use super::{PAYMENT_RAIL, ReturnEffect};
 
 const R1_DONE: RecoveryPoint = RecoveryPoint::named("R1_DONE");
 
@@ -67,6 +68,9 @@ pub struct RefundOrder {
     pub payment: RefundedPayment,
 }
 
+/// What the name of a payment's refundable balance starts with.
+const BALANCE: &str = "refundable#payment#";
+
 pub struct RefundOperation {
     order: RefundOrder,
 }
@@ -87,7 +91,12 @@ impl RefundOperation {
 
     /// The balance a payment's refunds draw on.
     pub fn balance_of(payment: Uuid) -> String {
-        format!("refundable#payment#{payment}")
+        format!("{BALANCE}{payment}")
+    }
+
+    /// The payment whose refundable balance `balance` is, if it is one.
+    pub fn payment_of(balance: &str) -> Option<Uuid> {
+        balance.strip_prefix(BALANCE).and_then(|id| Uuid::parse_str(id).ok())
     }
 
     /// What a return of payment `payment` (of `amount_minor`) holds on its
@@ -140,6 +149,49 @@ fn queue_event(cx: &mut StepContext<'_>, refund: &Refund, event: &str) -> Result
     let data = serde_json::to_value(refund).map_err(|e| EngineError::Fault(e.to_string()))?;
     let client = cx.request.key.client;
     webhooks::queue::event(cx.writes(), client, refund.id, event, &data);
+    Ok(())
+}
+
+/// Whether the rail's return of refund `standing` takes effect now: the
+/// refund succeeded, and the return is of what it sent (its amount and
+/// currency; the notification was matched against its instruction on
+/// arrival); else what becomes of the return.
+pub fn returnable(standing: &Standing, returned: &Returned) -> Result<(), ReturnEffect> {
+    match standing.refund.status.as_str() {
+        "succeeded" => {}
+        "pending" | "indeterminate" => return Err(ReturnEffect::NotYetSettled),
+        "returned" => return Err(ReturnEffect::AlreadyReturned),
+        "voided" => return Err(ReturnEffect::Unmatched("this ledger holds a leftover of the refund")),
+        _ => return Err(ReturnEffect::Unmatched("the refund did not settle, yet the rail returned it")),
+    }
+    if standing.refund.amount_minor != returned.amount_minor || standing.refund.currency != returned.currency {
+        return Err(ReturnEffect::Unmatched("the return is not of what the refund settled"));
+    }
+    Ok(())
+}
+
+/// Applies the rail's return of refund `standing` (see [`returnable`]),
+/// inside the phase that takes it: the money never reached the debtor, so
+/// it moves back from the debtor to the payment's creditor in one balanced
+/// entry, the refund is marked `returned` with the reason code, and
+/// `refund.returned` is queued. The refund's hold on its payment's balance
+/// is undone before (the caller's), so what is left to refund grows again.
+pub async fn apply_return(
+    conn: &mut sqlx::PgConnection,
+    standing: &Standing,
+    returned: &Returned,
+) -> Result<(), EngineError> {
+    let (refund, client, fence) = refunds::mark_returned(conn, standing.refund.id, &returned.reason_code).await?;
+    let amount = refund.amount_minor;
+    let legs = [
+        Leg { account: &format!("debtor:{}", standing.debtor_account), amount_minor: -amount },
+        Leg { account: &format!("creditor:{}", standing.creditor_account), amount_minor: amount },
+    ];
+    let mut writes = Writes::default();
+    payments::post(&mut writes, refund.id, "refund_return", &refund.currency, &legs, fence);
+    let data = serde_json::to_value(&refund).map_err(|e| EngineError::Fault(e.to_string()))?;
+    webhooks::queue::event(&mut writes, client, refund.id, "refund.returned", &data);
+    writes.send(conn).await?;
     Ok(())
 }
 

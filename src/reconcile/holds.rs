@@ -8,12 +8,15 @@
 
 use std::collections::HashMap;
 
+use serde::Serialize;
+use uuid::Uuid;
+
 use super::{Class, Finding, Found, Thresholds};
 use crate::domain::RecoveryPoint;
 use crate::engine::{Engine, EngineError, Operation};
 use crate::keystore::{Balance, Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
 use crate::ledger::views::LedgerView;
-use crate::operations::Registered;
+use crate::operations::{RefundOperation, Registered};
 
 /// The hold a finding is about, and its balance.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,6 +51,43 @@ pub(super) async fn orphaned<K: KeyStore>(
         }
     }
     Ok(found)
+}
+
+/// A payment a return froze (no refund of it begins) whose return has not
+/// taken effect: it overlaps refunds, or reached a region the payment left.
+/// A person settles the return with the rail; it is listed until it takes
+/// effect.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct FrozenPayment {
+    pub payment_id: Uuid,
+    /// What froze it: the return's message id and rail.
+    pub by: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub frozen_at: time::OffsetDateTime,
+    /// Refunded (settled) and still held for refunds in flight.
+    pub refunded: i64,
+    pub held: i64,
+}
+
+/// The payments among `balances` frozen by a return that has not taken
+/// effect (the return's lasting hold is missing).
+pub(super) fn frozen(balances: &[(String, Balance)]) -> Vec<FrozenPayment> {
+    let mut frozen: Vec<FrozenPayment> = balances
+        .iter()
+        .filter(|(_, balance)| !balance.holds.iter().any(|h| h.lasting))
+        .filter_map(|(name, balance)| {
+            let by = balance.frozen.as_ref()?;
+            Some(FrozenPayment {
+                payment_id: RefundOperation::payment_of(name)?,
+                by: by.by.clone(),
+                frozen_at: crate::ledger::timestamp(by.at),
+                refunded: balance.settled,
+                held: balance.reserved - balance.settled,
+            })
+        })
+        .collect();
+    frozen.sort_by_key(|f| (f.frozen_at, f.payment_id));
+    frozen
 }
 
 /// A finding if `view` is a request this ledger finished whose operation

@@ -34,6 +34,7 @@ use crate::keystore::{Handoff, KeyItem, KeyStore};
 use crate::ledger::views::{LedgerView, RequestId};
 
 pub use classify::{Class, Orphan, Thresholds, classify, classify_orphan, owned_throughout};
+pub use holds::FrozenPayment;
 pub use repair::Repair;
 pub use report::{Answered, Finding, Report};
 
@@ -170,6 +171,7 @@ pub async fn run<K: KeyStore>(
     // Holds whose request is gone, and finished requests without a hold.
     let balances = balances.into_inner().unwrap_or_else(|p| p.into_inner());
     let orphaned = holds::orphaned(engine, &balances, &thresholds).await?;
+    let frozen_payments = holds::frozen(&balances);
     lock(&found).extend(orphaned);
     let by_name: std::collections::HashMap<&str, &crate::keystore::Balance> =
         balances.iter().map(|(name, balance)| (name.as_str(), balance)).collect();
@@ -281,6 +283,7 @@ pub async fn run<K: KeyStore>(
         findings: found.into_iter().map(|f| f.finding).collect(),
         indeterminate: engine.ledger().indeterminate().await?,
         unmatched_notifications: engine.ledger().unmatched().await?,
+        frozen_payments,
         seconds: started.elapsed().as_secs_f64(),
     })
 }

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Class, Repair};
+use super::{Class, FrozenPayment, Repair};
 use crate::domain::ScopedKey;
 use crate::ledger::external::Indeterminate;
 use crate::ledger::inbox::Unmatched;
@@ -70,9 +70,14 @@ pub struct Report {
     pub handoffs_cleared: usize,
     pub findings: Vec<Finding>,
     pub indeterminate: Vec<Indeterminate>,
-    /// Rail notifications naming no instruction of this ledger: for a
-    /// person to settle with the rail (keyfence may have lost the payment).
+    /// Rail notifications kept for a person (naming no instruction of this
+    /// ledger, or unable to take effect here: a return overlapping refunds,
+    /// or of a payment that moved), all of them: for a person to settle
+    /// with the rail (keyfence may have lost the payment).
     pub unmatched_notifications: Vec<Unmatched>,
+    /// Payments a return froze whose return has not taken effect (in the
+    /// key table, so every region's run lists them).
+    pub frozen_payments: Vec<FrozenPayment>,
     pub seconds: f64,
     /// Time spent waiting on key-table scan pages, summed over segments.
     pub key_store_seconds: f64,
@@ -115,6 +120,10 @@ impl Report {
         for (class, count) in self.counts() {
             out += &format!("keyfence_reconcile_unrepaired{{class=\"{class}\"}} {}\n", count.found - count.repaired);
         }
+        out += "# HELP keyfence_reconcile_notifications_for_a_person Rail notifications the last reconcile run found \
+                kept for a person (naming no instruction of this ledger, or unable to take effect here)\n\
+                # TYPE keyfence_reconcile_notifications_for_a_person gauge\n";
+        out += &format!("keyfence_reconcile_notifications_for_a_person {}\n", self.unmatched_notifications.len());
         out += "# HELP keyfence_reconcile_last_run_timestamp_seconds When the last reconcile run ended (Unix time)\n\
                 # TYPE keyfence_reconcile_last_run_timestamp_seconds gauge\n";
         out += &format!("keyfence_reconcile_last_run_timestamp_seconds {:.3}\n", at.get() as f64 / 1000.0);
@@ -139,6 +148,7 @@ impl Report {
             "findings": self.findings,
             "indeterminate": self.indeterminate,
             "unmatched_notifications": self.unmatched_notifications,
+            "frozen_payments": self.frozen_payments,
         })
     }
 
@@ -188,16 +198,30 @@ impl Report {
         }
         if !self.unmatched_notifications.is_empty() {
             out += &format!(
-                "rail notifications naming no instruction of this ledger, for settlement: {}\n",
+                "rail notifications kept for a person (naming no instruction of this ledger, or unable to take \
+                 effect here), for settlement: {}\n",
                 self.unmatched_notifications.len()
             );
             for n in &self.unmatched_notifications {
                 out += &format!(
-                    "  rail {} message {} ({}) key {}\n",
+                    "  rail {} message {} ({}) key {}: {}\n",
                     n.rail,
                     n.message_id,
                     n.kind,
-                    n.idempotency_key.as_deref().unwrap_or("-")
+                    n.idempotency_key.as_deref().unwrap_or("-"),
+                    n.note.as_deref().unwrap_or("-")
+                );
+            }
+        }
+        if !self.frozen_payments.is_empty() {
+            out += &format!(
+                "payments frozen by a return that has not taken effect (no refund of them begins), for settlement: {}\n",
+                self.frozen_payments.len()
+            );
+            for f in &self.frozen_payments {
+                out += &format!(
+                    "  payment {} frozen by {} at {}: {} refunded, {} held for refunds in flight\n",
+                    f.payment_id, f.by, f.frozen_at, f.refunded, f.held
                 );
             }
         }

@@ -32,7 +32,7 @@ pub use store::{EndpointStore, WebhooksError};
 pub use target::TargetPolicy;
 
 /// The events a client may subscribe to.
-pub const EVENTS: [&str; 7] = [
+pub const EVENTS: [&str; 8] = [
     "payment.succeeded",
     "payment.rejected",
     "payment.indeterminate",
@@ -40,6 +40,7 @@ pub const EVENTS: [&str; 7] = [
     "refund.succeeded",
     "refund.rejected",
     "refund.indeterminate",
+    "refund.returned",
 ];
 
 /// keyfence's namespace for event and delivery ids (fixed forever: a new

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use keyfence::domain::{IdempotencyKey, ScopedKey};
-use keyfence::keystore::{KeyState, KeyStore};
+use keyfence::keystore::{Handoff, KeyState, KeyStore};
+use keyfence::operations::RefundOperation;
 use keyfence::rail::sim::notify::Callback;
 use keyfence::webhooks::{Secret, signature};
 use reqwest::StatusCode;
@@ -368,4 +369,187 @@ async fn a_return_and_a_refund_never_both_give_a_payment_back() {
         .await
         .unwrap();
     assert_eq!(returns, 2, "one return posted, of one payment");
+}
+
+/// A return of a payment with a refund overlaps it and is kept for a
+/// person; the payment still shows succeeded with most of it left, yet from
+/// the moment the return was received no new refund of it begins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_of_a_refunded_payment_freezes_what_is_left() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    let paid = app.paid("E2E-RETURN-FREEZES").await;
+    let (status, _) = app.refund_at(&app.url, &paid, "refund-before-return", &json!({ "amount_minor": 100 })).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let statement = app.e2.statement().await;
+    let key = statement.iter().find(|a| a.amount_minor == 1250).unwrap().idempotency_key.clone();
+    assert_eq!(return_instruction(&app.e2, &key).await, StatusCode::OK);
+    eventually("the overlapping return is kept for a person", async || {
+        inbox_states(&app).await.contains(&("returned".to_owned(), "unknown".to_owned(), 1))
+    })
+    .await;
+    let shown: Value = app.get_as(&app.api_key, &format!("/v1/payments/{paid}")).await.json().await.unwrap();
+    assert_eq!((shown["status"].as_str(), shown["amount_refunded"].as_i64()), (Some("succeeded"), Some(100)));
+
+    let (status, body) = app.refund_at(&app.url, &paid, "refund-after-return", &json!({ "amount_minor": 500 })).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(app.count("refunds").await, 1, "no second refund begun");
+    assert_eq!(app.e2.statement().await.len(), statement.len(), "nothing more sent to the rail");
+    let balance = app.keys.store.balance(&RefundOperation::balance_of(paid.parse().unwrap())).await.unwrap().unwrap();
+    assert!(balance.frozen.as_ref().is_some_and(|f| f.by.contains("from e2")), "{balance:?}");
+    let report = crate::reconcile::reconcile(&app, true).await;
+    let frozen: Vec<(String, i64)> =
+        report.frozen_payments.iter().map(|f| (f.payment_id.to_string(), f.refunded)).collect();
+    assert_eq!(frozen, [(paid, 100)], "listed for a person, repair or not");
+    assert!(report.table().contains("payments frozen by a return"), "{}", report.table());
+}
+
+/// A region restored after a failover longer than the key retention: the
+/// payment's key is gone, and only the hand-off its new home recorded says
+/// it moved. A return the rail sends here is not applied to the leftover
+/// (no hold of it, no compensating entry): it is kept for a person, and
+/// the payment's balance is frozen, so its live copy is not refunded either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_for_a_payment_handed_off_after_its_key_expired_is_not_applied_here() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    let paid = app.paid("E2E-RETURN-MOVED").await;
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("pay-E2E-RETURN-MOVED").unwrap());
+    let item = app.keys.store.get(&key).await.unwrap().unwrap();
+    let handoff = Handoff {
+        from: "test-1".into(),
+        to: "test-2".into(),
+        key: key.clone(),
+        created_at: item.created_at,
+        payment_id: item.payment_id,
+        fence: item.fence.next(),
+    };
+    app.keys.store.hand_off(&handoff).await.unwrap();
+    app.keys
+        .store
+        .client()
+        .delete_item()
+        .table_name(app.keys.store.table())
+        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(key.partition_key()))
+        .send()
+        .await
+        .unwrap();
+
+    let sent = app.e2.statement().await[0].idempotency_key.clone();
+    assert_eq!(return_instruction(&app.e2, &sent).await, StatusCode::OK);
+    eventually("the return is kept for a person", async || {
+        inbox_states(&app).await.contains(&("returned".to_owned(), "unknown".to_owned(), 1))
+    })
+    .await;
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM payments").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(status, "succeeded", "the leftover is not returned");
+    let returns: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE entry = 'return'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(returns, 0);
+    let balance = app.keys.store.balance(&RefundOperation::balance_of(paid.parse().unwrap())).await.unwrap().unwrap();
+    assert!(balance.holds.is_empty(), "no hold taken here: {balance:?}");
+    assert!(balance.frozen.is_some(), "no refund of the live copy begins either");
+}
+
+/// Messages kept for a person are never pruned, and the reconciler lists
+/// every one of them, oldest first (past a page of a thousand), and gives
+/// their number to the metrics file an alert reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_lists_every_message_kept_for_a_person() {
+    let app = quiet_app().await;
+    sqlx::query(
+        "INSERT INTO inbox (rail, message_id, kind, body, state, note, received_at)
+         SELECT 'e2', 'evt_kept_' || lpad(n::text, 5, '0'), 'returned', '{}'::jsonb, 'unknown', 'kept',
+                now() - make_interval(secs => 5000 - n)
+           FROM generate_series(1, 1050) AS n",
+    )
+    .execute(app.db.ledger.pool())
+    .await
+    .unwrap();
+    let report = crate::reconcile::reconcile(&app, false).await;
+    let ids: Vec<&str> = report.unmatched_notifications.iter().map(|n| n.message_id.as_str()).collect();
+    assert_eq!(ids.len(), 1050, "all of them");
+    assert_eq!((ids[0], ids[1049]), ("evt_kept_00001", "evt_kept_01050"), "oldest first");
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "each once, in order");
+    let metrics = report.prometheus(keyfence::domain::Millis::now());
+    assert!(metrics.contains("\nkeyfence_reconcile_notifications_for_a_person 1050\n"), "{metrics}");
+}
+
+/// A refund whose answer the rail held back is settled by the rail's
+/// notification, as a payment's is: matched against what the refund's
+/// instruction carried (the payment's reference, the refund's amount), not
+/// against a payment row, which a refund's request has none of.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refunds_held_back_answer_is_settled_by_its_notification() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    let paid = app.paid("E2E-REFUND-HELD").await;
+    app.e2.set_faults(json!({ "timeout_after_apply_rate": 1.0 })).await;
+    let refund = json!({ "amount_minor": 300 });
+    // The rail held its answer back: the refund is settled by the rail's
+    // notification, at once if it is in by the time the call gives up (201),
+    // or when it comes (202 first).
+    let (status, _) = app.refund_at(&app.url, &paid, "refund-held", &refund).await;
+    assert!([StatusCode::CREATED, StatusCode::ACCEPTED].contains(&status), "{status}");
+    app.e2.clear_faults().await;
+    eventually("settled by the notification", async || finished(&app, "refund-held").await).await;
+
+    assert!(probes(&app.e2).await.is_empty(), "nothing probed the rail");
+    let (status, body) = app.refund_at(&app.url, &paid, "refund-held", &refund).await;
+    assert_eq!(status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["status"], "succeeded");
+    let states = inbox_states(&app).await;
+    assert!(states.contains(&("applied".to_owned(), "applied".to_owned(), 1)), "{states:?}");
+    assert!(states.iter().all(|(_, state, _)| state != "unknown"), "nothing kept for a person: {states:?}");
+    assert_eq!(app.refunded(&paid).await, (300, 300));
+}
+
+/// A refund the rail returned (its money never reached the debtor): the
+/// refund says so, its hold is undone, so the payment's `amount_refunded`
+/// drops and the amount may be refunded again, one compensating entry is
+/// posted, and `refund.returned` arrives signed at the client's endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_returned_refund_gives_its_amount_back_and_says_so() {
+    let receiver = crate::receiver::Receiver::start().await;
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    crate::webhook_delivery::subscribe_to(&app, &receiver, "refunds", &["refund.returned"], json!({})).await;
+    let paid = app.paid("E2E-REFUND-RETURNED").await;
+    let (status, body) = app.refund_at(&app.url, &paid, "refund-returned", &json!({ "amount_minor": 400 })).await;
+    assert_eq!(status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&body));
+    let refund = serde_json::from_slice::<Value>(&body).unwrap()["id"].as_str().unwrap().to_owned();
+    assert_eq!(app.refunded(&paid).await, (400, 400));
+    let statement = app.e2.statement().await;
+    let sent = statement.iter().find(|a| a.amount_minor == 400).unwrap().idempotency_key.clone();
+    assert_eq!(return_instruction(&app.e2, &sent).await, StatusCode::OK);
+    eventually("the refund is returned", async || {
+        let shown: Value = app.get_as(&app.api_key, &format!("/v1/refunds/{refund}")).await.json().await.unwrap();
+        shown["status"] == "returned"
+    })
+    .await;
+
+    assert_eq!(app.refunded(&paid).await, (0, 0), "its hold undone");
+    let shown: Value = app.get_as(&app.api_key, &format!("/v1/payments/{paid}")).await.json().await.unwrap();
+    assert_eq!((shown["status"].as_str(), shown["amount_refunded"].as_i64()), (Some("succeeded"), Some(0)));
+    let entries: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE entry = 'refund_return'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(entries, 2, "one entry, two legs");
+    assert_eq!(app.unbalanced_payments().await, 0);
+    assert!(inbox_states(&app).await.contains(&("returned".to_owned(), "applied".to_owned(), 1)));
+    eventually("refund.returned delivered", async || {
+        receiver.arrivals("refunds").await.iter().any(|a| a.accepted() && a.event.as_deref() == Some("refund.returned"))
+    })
+    .await;
+    let arrivals = receiver.arrivals("refunds").await;
+    assert!(arrivals.iter().all(|a| a.valid), "verified by the reference library");
+    let data = arrivals[0].data.clone().unwrap();
+    assert_eq!((data["id"].as_str(), data["status"].as_str()), (Some(refund.as_str()), Some("returned")));
+
+    let (status, _) = app.refund_at(&app.url, &paid, "refund-again", &json!({ "amount_minor": 1250 })).await;
+    assert_eq!(status, StatusCode::CREATED, "the whole payment may be refunded again");
 }

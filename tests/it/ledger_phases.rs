@@ -3,7 +3,7 @@
 //! is refused and leaves nothing behind.
 
 use keyfence::domain::{Fence, Millis, PaymentRequest, RecoveryPoint, RequestHash, StoredResponse};
-use keyfence::ledger::external::CallWrites;
+use keyfence::ledger::external::{CallWrites, Intent, Sent};
 use keyfence::ledger::payments::{self, Leg};
 use keyfence::ledger::writes::Writes;
 use keyfence::ledger::{Adoption, Ledger, LedgerError, Phase, RequestRecord};
@@ -162,7 +162,7 @@ async fn a_phases_external_call_writes_take_effect_only_with_its_fence_check() {
     let db = TestLedger::new().await;
     let req = request();
     let t = Fence::new(2);
-    let e1 = CallWrites { intent: Some(("e1", Uuid::new_v4())), ..Default::default() };
+    let e1 = CallWrites { intent: Some(intent("e1")), ..Default::default() };
     let phase =
         db.ledger.begin_phase_with(&req, t, &RecoveryPoint::STARTED, &EXT1_SENT, &[&EXT1_SENT], e1).await.unwrap();
     phase.commit().await.unwrap();
@@ -178,7 +178,7 @@ async fn a_phases_external_call_writes_take_effect_only_with_its_fence_check() {
         applied_at: "2026-12-02T00:00:00Z".into(),
     });
     const EXT1_DONE: RecoveryPoint = RecoveryPoint::named("EXT1_DONE");
-    let e1_done = CallWrites { verdict: Some(("e1", &applied)), intent: Some(("e2", Uuid::new_v4())) };
+    let e1_done = CallWrites { verdict: Some(("e1", &applied)), intent: Some(intent("e2")) };
     // An older owner's verdict and intent: refused, and nothing of them written.
     match db.ledger.begin_phase_with(&req, Fence::new(1), &EXT1_SENT, &EXT1_DONE, &[&EXT1_DONE], e1_done).await {
         Err(LedgerError::FencedOut { .. }) => {}
@@ -958,4 +958,10 @@ async fn reading_the_spans_again_waits_for_no_partition_held_by_another_session(
         .expect("the phase waited behind the lock on the default partition");
     other.rollback().await.unwrap();
     assert_eq!(suffix_of(&db.ledger, &later).await, tomorrow);
+}
+
+/// The intent of `step`, under a fresh derived key.
+fn intent(step: &str) -> Intent<'_> {
+    let sent = Sent { end_to_end_id: "E2E-PHASES", amount_minor: 1250, currency: "EUR" };
+    Intent { step, derived_key: Uuid::new_v4(), sent }
 }

@@ -26,12 +26,23 @@ const EVENTS: [&str; 3] = ["payment.succeeded", "payment.rejected", "payment.ind
 
 /// Registers endpoint `name` of the receiver for every event, answering as
 /// `behaviour` says; returns its id.
-pub async fn subscribe(app: &TestApp, receiver: &Receiver, name: &str, mut behaviour: Value) -> Uuid {
+pub async fn subscribe(app: &TestApp, receiver: &Receiver, name: &str, behaviour: Value) -> Uuid {
+    subscribe_to(app, receiver, name, &EVENTS, behaviour).await
+}
+
+/// An endpoint of `app`'s client at `receiver`'s hook `name`, for `events`.
+pub async fn subscribe_to(
+    app: &TestApp,
+    receiver: &Receiver,
+    name: &str,
+    events: &[&str],
+    mut behaviour: Value,
+) -> Uuid {
     let made = app
         .http
         .post(format!("{}/v1/webhook-endpoints", app.url))
         .bearer_auth(&app.api_key)
-        .json(&json!({ "url": receiver.hook(name), "events": EVENTS }))
+        .json(&json!({ "url": receiver.hook(name), "events": events }))
         .send()
         .await
         .unwrap();
