@@ -3,6 +3,7 @@
 //! benchmarks, the rail simulator) is in `keyfence-tools`, not here.
 
 mod clients;
+mod inbox;
 mod pay;
 mod regions;
 mod serve;
@@ -48,6 +49,9 @@ enum Command {
     /// A client's webhook endpoints: add, list, remove, rotate a secret.
     #[command(subcommand)]
     Webhooks(webhooks::WebhooksCommand),
+    /// Rail notifications kept for a person: settle one.
+    #[command(subcommand)]
+    Inbox(inbox::InboxCommand),
 }
 
 /// The settings whose defaults suit only the dev stack, by argument id and variable.
@@ -94,6 +98,7 @@ impl Cli {
             }
             Command::Pay(args) => pay::pay(*args).await,
             Command::Webhooks(command) => done(command.run().await),
+            Command::Inbox(command) => done(command.run().await),
         }
     }
 }

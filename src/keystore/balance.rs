@@ -91,6 +91,9 @@ pub enum HoldState {
     Held,
     Settled,
     Released,
+    /// Settled, then undone ([`Conclusion::Undo`]): final, and unlike a
+    /// released hold never settled again.
+    Undone,
 }
 
 impl HoldState {
@@ -99,6 +102,7 @@ impl HoldState {
             HoldState::Held => "held",
             HoldState::Settled => "settled",
             HoldState::Released => "released",
+            HoldState::Undone => "undone",
         }
     }
 
@@ -107,6 +111,7 @@ impl HoldState {
             "held" => Ok(HoldState::Held),
             "settled" => Ok(HoldState::Settled),
             "released" => Ok(HoldState::Released),
+            "undone" => Ok(HoldState::Undone),
             other => Err(malformed("hold state", other)),
         }
     }
@@ -323,7 +328,7 @@ pub(super) async fn conclude(
         Conclusion::Undo => (
             "#settled = #settled - #hold.#amount, #reserved = #reserved - #hold.#amount",
             HoldState::Settled,
-            HoldState::Released,
+            HoldState::Undone,
         ),
     };
     let mut names = HashMap::from([

@@ -291,7 +291,8 @@ impl KeyStore for MemoryKeyStore {
             let Some(entry) = balance.holds.iter_mut().find(|h| h.by.id == id) else { return Ok(Concluded::Missing) };
             let to = match how {
                 Conclusion::Settle => HoldState::Settled,
-                Conclusion::Release | Conclusion::Undo => HoldState::Released,
+                Conclusion::Release => HoldState::Released,
+                Conclusion::Undo => HoldState::Undone,
             };
             let amount = entry.amount;
             match (entry.state, how) {

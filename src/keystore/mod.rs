@@ -274,7 +274,8 @@ pub trait KeyStore: Send + Sync {
     /// a settled one, once: concluding it again the same way is `Already`.
     /// A hold released before is settled only if the balance has room for
     /// it again (taken back first); without room, releasing a settled hold,
-    /// and undoing one not settled yet, is a fault.
+    /// undoing one not settled yet, and concluding an undone one otherwise,
+    /// is a fault.
     fn conclude_hold(
         &self,
         balance: &str,

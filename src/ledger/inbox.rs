@@ -73,6 +73,18 @@ pub struct Unmatched {
     pub received_at: time::OffsetDateTime,
 }
 
+/// A message kept for a person, as a person settled it.
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct SettledByPerson {
+    pub rail: String,
+    pub message_id: String,
+    pub kind: String,
+    /// Why it was kept.
+    pub kept_because: Option<String>,
+    /// What the person said they did.
+    pub note: String,
+}
+
 /// A pending return, with the payment (or refund) it returns and its key.
 #[derive(Debug, Clone)]
 pub struct PendingReturn {
@@ -278,6 +290,30 @@ impl Ledger {
                 return Ok(all);
             }
         }
+    }
+
+    /// Ends message `message_id` of `rail`, kept for a person, as settled
+    /// by one, who did what `note` says; `None` if no such message waits
+    /// for a person here (never received by this region, or not kept).
+    pub async fn settle_for_person(
+        &self,
+        rail: &str,
+        message_id: &str,
+        note: &str,
+    ) -> Result<Option<SettledByPerson>, LedgerError> {
+        Ok(sqlx::query_as(
+            "WITH was AS (SELECT rail, message_id, note FROM inbox
+                           WHERE rail = $1 AND message_id = $2 AND state = 'unknown' FOR UPDATE)
+             UPDATE inbox i SET state = 'settled', applied_at = now(),
+                    note = 'settled by a person: ' || $3 || ' (kept because: ' || coalesce(was.note, '-') || ')'
+               FROM was WHERE (i.rail, i.message_id) = (was.rail, was.message_id)
+             RETURNING i.rail, i.message_id, i.kind, was.note AS kept_because, $3 AS note",
+        )
+        .bind(rail)
+        .bind(message_id)
+        .bind(note)
+        .fetch_optional(&self.pool)
+        .await?)
     }
 
     /// Requests with a verdict waiting in the inbox, oldest first.

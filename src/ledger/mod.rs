@@ -18,6 +18,7 @@ mod phase;
 pub mod refunds;
 mod region_fence;
 pub mod routes;
+mod subjects;
 pub mod views;
 pub mod writes;
 

@@ -4,11 +4,12 @@
 //! asks, so one client can never see another's payment.
 
 use serde::Serialize;
-use sqlx::{FromRow, PgConnection, Row};
+use sqlx::{FromRow, PgConnection};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::phase::{RequestRecord, fence_param};
+use super::subjects::Subjects;
 use super::writes::Writes;
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{ClientId, Fence, PaymentRequest};
@@ -33,6 +34,9 @@ pub struct Payment {
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
 }
+
+/// The payments table, for the status changes refunds make alike.
+const PAYMENTS: Subjects = Subjects { table: "payments", columns: COLUMNS, reason: "reason" };
 
 const COLUMNS: &str = "id, status, amount_minor, currency, debtor_account, creditor_account, end_to_end_id, \
                        remittance_info, rail_reference, reason, created_at";
@@ -91,19 +95,7 @@ pub async fn mark_indeterminate(
     payment_id: Uuid,
     fence: Fence,
 ) -> Result<Option<Payment>, LedgerError> {
-    let query = format!(
-        "WITH was AS (SELECT status AS previous FROM payments WHERE id = $1 FOR UPDATE)
-         UPDATE payments SET status = 'indeterminate', fence = $2, updated_at = now() FROM was
-          WHERE id = $1 RETURNING {COLUMNS}, was.previous"
-    );
-    let row = sqlx::query(sqlx::AssertSqlSafe(query))
-        .bind(payment_id)
-        .bind(fence_param(fence))
-        .fetch_optional(conn)
-        .await?
-        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))?;
-    let previous: String = row.try_get("previous")?;
-    Ok(if previous == "indeterminate" { None } else { Some(Payment::from_row(&row)?) })
+    PAYMENTS.mark_indeterminate(conn, payment_id, fence).await
 }
 
 /// Marks `request`'s payment succeeded at the rail's `rail_reference`, as a
@@ -161,19 +153,7 @@ pub async fn mark_returned(
     payment_id: Uuid,
     reason: &str,
 ) -> Result<(Payment, ClientId, Fence), LedgerError> {
-    let query = format!(
-        "UPDATE payments SET status = 'returned', reason = $2, updated_at = now()
-          WHERE id = $1 RETURNING {COLUMNS}, fence, client_id"
-    );
-    let row = sqlx::query(sqlx::AssertSqlSafe(query))
-        .bind(payment_id)
-        .bind(reason)
-        .fetch_optional(&mut *conn)
-        .await?
-        .ok_or_else(|| LedgerError::Corrupt(format!("payment {payment_id} has no row")))?;
-    let fence: i64 = sqlx::Row::try_get(&row, "fence")?;
-    let client: Uuid = sqlx::Row::try_get(&row, "client_id")?;
-    Ok((Payment::from_row(&row)?, ClientId::new(client), Fence::new(fence.unsigned_abs())))
+    PAYMENTS.mark_returned(conn, payment_id, reason).await
 }
 
 /// Marks a payment voided, if it has a row (a request whose first phase

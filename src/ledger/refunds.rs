@@ -10,6 +10,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::phase::{RequestRecord, fence_param};
+use super::subjects::Subjects;
 use super::writes::Writes;
 use super::{Ledger, LedgerError, timestamp};
 use crate::domain::{ClientId, Fence};
@@ -32,6 +33,9 @@ pub struct Refund {
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
 }
+
+/// The refunds table, for the status changes payments make alike.
+const REFUNDS: Subjects = Subjects { table: "refunds", columns: COLUMNS, reason: "decline_reason" };
 
 const COLUMNS: &str =
     "id, payment_id, status, amount_minor, currency, reason, rail_reference, decline_reason, created_at";
@@ -102,19 +106,7 @@ pub async fn mark_indeterminate(
     id: Uuid,
     fence: Fence,
 ) -> Result<Option<Refund>, LedgerError> {
-    let query = format!(
-        "WITH was AS (SELECT status AS previous FROM refunds WHERE id = $1 FOR UPDATE)
-         UPDATE refunds SET status = 'indeterminate', fence = $2, updated_at = now() FROM was
-          WHERE id = $1 RETURNING {COLUMNS}, was.previous"
-    );
-    let row = sqlx::query(sqlx::AssertSqlSafe(query))
-        .bind(id)
-        .bind(fence_param(fence))
-        .fetch_optional(conn)
-        .await?
-        .ok_or_else(|| LedgerError::Corrupt(format!("refund {id} has no row")))?;
-    let previous: String = row.try_get("previous")?;
-    Ok(if previous == "indeterminate" { None } else { Some(Refund::from_row(&row)?) })
+    REFUNDS.mark_indeterminate(conn, id, fence).await
 }
 
 /// A refund as it stands, with the accounts it moved money between.
@@ -145,19 +137,7 @@ pub async fn mark_returned(
     id: Uuid,
     reason: &str,
 ) -> Result<(Refund, ClientId, Fence), LedgerError> {
-    let query = format!(
-        "UPDATE refunds SET status = 'returned', decline_reason = $2, updated_at = now()
-          WHERE id = $1 RETURNING {COLUMNS}, fence, client_id"
-    );
-    let row = sqlx::query(sqlx::AssertSqlSafe(query))
-        .bind(id)
-        .bind(reason)
-        .fetch_optional(&mut *conn)
-        .await?
-        .ok_or_else(|| LedgerError::Corrupt(format!("refund {id} has no row")))?;
-    let fence: i64 = row.try_get("fence")?;
-    let client: Uuid = row.try_get("client_id")?;
-    Ok((Refund::from_row(&row)?, ClientId::new(client), Fence::new(fence.unsigned_abs())))
+    REFUNDS.mark_returned(conn, id, reason).await
 }
 
 /// Marks a refund voided, if it has a row (see [`super::payments::mark_voided`]).

@@ -400,8 +400,45 @@ async fn a_return_of_a_refunded_payment_freezes_what_is_left() {
     let report = crate::reconcile::reconcile(&app, true).await;
     let frozen: Vec<(String, i64)> =
         report.frozen_payments.iter().map(|f| (f.payment_id.to_string(), f.refunded)).collect();
-    assert_eq!(frozen, [(paid, 100)], "listed for a person, repair or not");
+    assert_eq!(frozen, [(paid.clone(), 100)], "listed for a person, repair or not");
     assert!(report.table().contains("payments frozen by a return"), "{}", report.table());
+
+    // A person settles the return with the rail and says so: the message
+    // ends, and is no longer counted for the alert.
+    let message: String = sqlx::query_scalar("SELECT message_id FROM inbox WHERE state = 'unknown'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    let settle = |note: &str| {
+        let mut command = crate::process::keyfence_command(&app, "inbox");
+        command.args(["settle", "--rail", "e2", "--message", &message, "--note", note, "--json"]);
+        command.stderr(std::process::Stdio::piped());
+        command
+    };
+    let settled = settle("the debtor repaid the refund").output().await.unwrap();
+    assert!(settled.status.success(), "{}", String::from_utf8_lossy(&settled.stderr));
+    let shown: Value = serde_json::from_slice(&settled.stdout).unwrap();
+    assert_eq!(
+        (shown["kind"].as_str(), shown["note"].as_str()),
+        (Some("returned"), Some("the debtor repaid the refund"))
+    );
+    assert!(shown["kept_because"].as_str().unwrap().contains("overlaps"), "{shown}");
+    let report = crate::reconcile::reconcile(&app, false).await;
+    assert!(report.unmatched_notifications.is_empty(), "settled");
+    assert!(
+        report
+            .prometheus(keyfence::domain::Millis::now())
+            .contains("\nkeyfence_reconcile_notifications_for_a_person 0\n")
+    );
+    let again = settle("again").output().await.unwrap();
+    assert!(!again.status.success(), "nothing waits any more");
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("waits for a person"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    let (status, _) = app.refund_at(&app.url, &paid, "refund-after-settling", &json!({ "amount_minor": 500 })).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "the payment stays frozen");
 }
 
 /// A region restored after a failover longer than the key retention: the

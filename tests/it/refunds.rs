@@ -501,6 +501,12 @@ async fn a_hold_concludes_once_and_a_released_one_settles_only_with_room() {
     let now = store.balance(balance).await.unwrap().unwrap();
     assert_eq!((now.total, now.reserved, now.settled), (1000, 600, 600));
     assert!(store.conclude_hold(balance, first.id, Conclusion::Release).await.is_err(), "a settled hold stays settled");
+    // Undone (a refund the rail returned): once, and never settled again.
+    assert_eq!(store.conclude_hold(balance, first.id, Conclusion::Undo).await.unwrap(), Concluded::Now);
+    assert_eq!(store.conclude_hold(balance, first.id, Conclusion::Undo).await.unwrap(), Concluded::Already);
+    assert!(store.conclude_hold(balance, first.id, Conclusion::Settle).await.is_err(), "an undone hold stays undone");
+    let now = store.balance(balance).await.unwrap().unwrap();
+    assert_eq!((now.reserved, now.settled, now.hold(first.id).unwrap().state), (0, 0, HoldState::Undone));
     assert_eq!(store.conclude_hold(balance, Uuid::now_v7(), Conclusion::Settle).await.unwrap(), Concluded::Missing);
 }
 

@@ -130,19 +130,25 @@ async fn after_a_storm_every_event_arrives_signed_and_once_in_effect() {
     .await;
 }
 
+/// An app whose payments park quickly and are marked indeterminate at
+/// their second unknown outcome, probed again every 200 ms.
+async fn parking_app() -> TestApp {
+    spawn_app_with(|s| {
+        s.engine.work.lease = Duration::from_millis(1000);
+        (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);
+        s.recovery_interval_ms = 200;
+        s.engine.work.max_unknown_attempts = 2;
+    })
+    .await
+}
+
 /// A payment whose outcome stays unknown queues `payment.indeterminate`,
 /// then `payment.succeeded` once it settles: the second waits until the
 /// first has arrived, however long the first takes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payments_events_arrive_in_the_order_they_were_written() {
     let receiver = Receiver::start().await;
-    let app = spawn_app_with(|s| {
-        s.engine.work.lease = Duration::from_millis(1000);
-        (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);
-        s.recovery_interval_ms = 200;
-        s.engine.work.max_unknown_attempts = 2;
-    })
-    .await;
+    let app = parking_app().await;
     let endpoint = subscribe(&app, &receiver, "ordered", json!({ "fail": 5, "status": 503 })).await;
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
     assert_eq!(app.pay("ordered-1", &payment("E2E-ORDER")).await.status(), StatusCode::ACCEPTED);
@@ -187,13 +193,7 @@ async fn a_payments_events_arrive_in_the_order_they_were_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_indeterminate_event_is_queued_once_however_often_the_payment_parks() {
     let receiver = Receiver::start().await;
-    let app = spawn_app_with(|s| {
-        s.engine.work.lease = Duration::from_millis(1000);
-        (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);
-        s.recovery_interval_ms = 200;
-        s.engine.work.max_unknown_attempts = 2;
-    })
-    .await;
+    let app = parking_app().await;
     subscribe(&app, &receiver, "parks", json!({})).await;
     app.e2.set_faults(json!({ "latency_ms": 60_000 })).await;
     assert_eq!(app.pay("parks-1", &payment("E2E-PARKS")).await.status(), StatusCode::ACCEPTED);
