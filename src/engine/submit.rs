@@ -33,9 +33,7 @@ impl<K: KeyStore> Engine<K> {
     /// Works a request exactly once, however often it is submitted.
     #[tracing::instrument(skip_all, fields(key = %submission.key))]
     pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
-        self.check_region().await?;
-        self.check_rails(&submission.operation)?;
-        failpoint::boundary(|| "before-claim".to_owned());
+        self.before_claim(&submission.operation).await?;
         let now = Millis::now();
         if let Some(known) = self.answers.recall(&submission.key, now, &self.settings.retention) {
             metrics::counter!("keyfence_replays_from_memory_total").increment(1);
@@ -92,20 +90,21 @@ impl<K: KeyStore> Engine<K> {
         submission: Submission<O>,
         existing: &KeyItem,
     ) -> Result<Answer, EngineError> {
-        self.check_region().await?;
-        self.check_rails(&submission.operation)?;
-        failpoint::boundary(|| "before-claim".to_owned());
+        self.before_claim(&submission.operation).await?;
         self.on_existing(&submission.operation, existing, &submission.request_hash, Millis::now()).await
     }
 
-    /// Refuses, before anything is claimed, an operation naming a rail this
-    /// engine lacks (not after an intent is committed).
-    fn check_rails<O: Operation>(&self, op: &O) -> Result<(), EngineError> {
+    /// What every request passes before it claims or acts on a claim: this
+    /// region is not declared failed, and every rail the operation names is
+    /// configured (refused now, not after an intent is committed).
+    async fn before_claim<O: Operation>(&self, op: &O) -> Result<(), EngineError> {
+        self.check_region().await?;
         for step in op.steps() {
             if let super::Step::External(ext) = step {
                 self.rails.get(ext.rail)?;
             }
         }
+        failpoint::boundary(|| "before-claim".to_owned());
         Ok(())
     }
 

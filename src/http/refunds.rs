@@ -46,7 +46,10 @@ pub async fn create(
     let profile = profile(&state, client).await?;
     let (order, existing) = match order(&state, client, payment_id, refund).await {
         Ok(order) => (order, None),
-        Err(refusal) => already_accepted(&state, &key, &request_hash).await?.ok_or(refusal)?,
+        Err(refusal) => {
+            let (order, item) = already_accepted(&state, &key, &request_hash).await?.ok_or(refusal)?;
+            (order, Some(item))
+        }
     };
     let running = state.throttle.start(&key, &profile).map_err(ApiError::Throttled)?;
     let stored = serde_jcs::to_vec(&order).map_err(|e| ApiError::Internal(e.to_string()))?;
@@ -95,7 +98,7 @@ async fn already_accepted(
     state: &AppState,
     key: &ScopedKey,
     request_hash: &RequestHash,
-) -> Result<Option<(RefundOrder, Option<KeyItem>)>, ApiError> {
+) -> Result<Option<(RefundOrder, KeyItem)>, ApiError> {
     let Some(item) = state.engine.live_item(key).await? else {
         return Ok(None);
     };
@@ -103,7 +106,7 @@ async fn already_accepted(
         return Err(ApiError::KeyReused);
     }
     let order = serde_json::from_slice(&item.request).map_err(|e| ApiError::Internal(format!("stored refund: {e}")))?;
-    Ok(Some((order, Some(item))))
+    Ok(Some((order, item)))
 }
 
 pub async fn show(
