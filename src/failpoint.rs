@@ -14,7 +14,9 @@
 //! and `before-phase:{point}` (after the lease check, before the phase
 //! begins) for each of the three phases, where a stall makes a zombie;
 //! and `before-fail-over` (a retry in another region, between reading the
-//! key and moving it), where a stall lets the key finish meanwhile.
+//! key and moving it), where a stall lets the key finish meanwhile;
+//! and `before-webhook-send` (a delivery worker between its key-store read
+//! and the send), where a stall outlasts the delivery's lease.
 //!
 //! The same builds can set the process's clock off ([`clock_offset_ms`]).
 

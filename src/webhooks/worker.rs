@@ -24,6 +24,7 @@ use super::{Endpoint, EndpointStore, signature, webhook_id};
 use crate::config::DeliverySettings;
 use crate::domain::{ClientId, IdempotencyKey, Millis, ScopedKey};
 use crate::engine::{Moved, moved_away};
+use crate::failpoint;
 use crate::keystore::DynamoKeyStore;
 use crate::ledger::{LedgerError, millis};
 
@@ -246,13 +247,23 @@ impl Worker {
             .map_err(|e| format!("the payment's key or hand-off could not be read: {e}"))
     }
 
+    /// Whether a send begun now could outlast the lease of a delivery
+    /// taken at `asked`: then another worker may take it meanwhile.
+    fn too_late(&self, taken: &Taken, asked: Instant) -> bool {
+        let late = asked.elapsed() + self.settings.timeout + Duration::from_secs(1) >= self.lease();
+        if late {
+            tracing::warn!(webhook_id = taken.webhook_id, "a webhook delivery waited past its lease; left to the next");
+        }
+        late
+    }
+
     /// One attempt of one delivery taken at `asked` (or before), and what
     /// follows from its outcome. An attempt that could not end inside the
-    /// lease any more (this worker was held up since) is not made: another
-    /// worker may take the delivery once the lease ends.
+    /// lease any more (this worker was held up since, before it began or by
+    /// the key store's answer) is not made: another worker may take the
+    /// delivery once the lease ends.
     async fn deliver(&self, taken: Taken, endpoint: Option<Option<Endpoint>>, asked: Instant) {
-        if asked.elapsed() + self.settings.timeout + Duration::from_secs(1) >= self.lease() {
-            tracing::warn!(webhook_id = taken.webhook_id, "a webhook delivery waited past its lease; left to the next");
+        if self.too_late(&taken, asked) {
             return;
         }
         let (outcome, follow_up) = match &endpoint {
@@ -276,7 +287,13 @@ impl Worker {
                     let error = format!("the payment was taken over by {region}, which sends its events");
                     (Outcome::Failed { status: None, error }, FollowUp::None)
                 }
-                Ok(None) => self.attempt(&taken, e).await,
+                Ok(None) => {
+                    failpoint::boundary(|| "before-webhook-send".to_owned());
+                    if self.too_late(&taken, asked) {
+                        return;
+                    }
+                    self.attempt(&taken, e).await
+                }
                 Err(error) => (Outcome::NotSent { error, wait: NOT_SENT_WAIT }, FollowUp::None),
             },
         };

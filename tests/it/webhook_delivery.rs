@@ -512,3 +512,45 @@ async fn a_failed_region_sends_nothing_and_once_restored_not_what_moved_away() {
         .unwrap();
     assert!(why.contains("taken over by region test-2"), "{why}");
 }
+
+/// A worker held up after it took a delivery and before it sends (a slow
+/// key-store read stands behind the stall) checks its lease again: too
+/// late to end inside it, it leaves the delivery to the next worker, so the
+/// receiver never gets one id from two workers at once.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_held_up_before_its_send_leaves_the_delivery_to_the_next() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app_with(|s| s.webhook_delivery.interval_ms = 0).await;
+    subscribe(&app, &receiver, "held", json!({ "delay_ms": 1500 })).await;
+    // A 2 s timeout makes a 9 s lease; the one stall ends 1 s before it.
+    let serve = |failpoints: Option<&str>| {
+        let mut command = keyfence_command(&app, "serve");
+        command
+            .env("KEYFENCE_WEBHOOK_INTERVAL_MS", "50")
+            .env("KEYFENCE_WEBHOOK_TIMEOUT_MS", "2000")
+            .env("KEYFENCE_WEBHOOK_RETRY_FIRST_MS", "50");
+        if let Some(failpoints) = failpoints {
+            command.env("FAILPOINTS", failpoints);
+        }
+        command
+    };
+    let (held, logs) = ServeProcess::spawn_logged(serve(Some("before-webhook-send=1*sleep(8000)"))).await;
+    let paid = app.try_pay_at(&held.url, &app.api_key, "held", &payment("E2E-HELD")).await.unwrap();
+    assert_eq!(paid.status(), StatusCode::CREATED);
+    eventually("the held worker took the delivery", async || {
+        let lease = sqlx::query_scalar::<_, i64>("SELECT lease FROM webhook_deliveries");
+        lease.fetch_optional(app.db.ledger.pool()).await.unwrap().is_some_and(|lease| lease > 0)
+    })
+    .await;
+    let _next = ServeProcess::spawn(serve(None)).await;
+    eventually("delivered", async || delivered_ids(&receiver, "held").await == 1).await;
+    eventually("the held worker gave the delivery up or sent it too", async || {
+        logs.lines().iter().any(|l| l.contains("waited past its lease")) || receiver.arrivals("held").await.len() > 1
+    })
+    .await;
+    let arrivals = receiver.arrivals("held").await;
+    assert!(arrivals.iter().all(|a| !a.overlapping), "never sent by both at once: {arrivals:?}");
+    assert_eq!(arrivals.len(), 1, "sent once, by the worker that held the lease: {arrivals:?}");
+    assert!(logs.lines().iter().any(|l| l.contains("waited past its lease")), "the held worker gave it up");
+}
