@@ -2,6 +2,7 @@
 //! ledger database, two rail simulators (E1, E2) on real sockets, the
 //! service itself on a random port, and a client with an API key.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use keyfence::clients::ClientStore;
@@ -18,6 +19,9 @@ use tokio::sync::oneshot;
 
 use crate::harness::{TestKeys, TestLedger};
 use crate::proxy::Proxy;
+
+/// How long a test rail deduplicates a key.
+const FORGETS_AFTER: Duration = Duration::from_secs(1);
 
 /// A rail simulator on a random local port.
 pub struct TestRail {
@@ -43,8 +47,12 @@ impl TestRail {
         Self { url, sim: None, _stop: stop }
     }
 
+    /// A rail that forgets a key a second after its instruction, as real
+    /// rails forget theirs after a day or so: a send repeated past that is
+    /// applied again, so it shows on the statement as well as in
+    /// [`sends`](Self::sends).
     pub async fn start(name: &str) -> Self {
-        Self::start_with(name, None).await
+        Self::start_with(name, Some(FORGETS_AFTER)).await
     }
 
     /// A rail that forgets a key's deduplication `window` after its instruction.
@@ -76,6 +84,32 @@ impl TestRail {
     /// Every instruction the rail applied, in order.
     pub async fn statement(&self) -> Vec<Applied> {
         reqwest::get(format!("{}/v1/statement", self.url)).await.unwrap().json().await.unwrap()
+    }
+
+    /// How many instructions the rail took under each key (a 503 takes none).
+    pub async fn sends(&self) -> BTreeMap<String, u32> {
+        reqwest::get(format!("{}/v1/sends", self.url)).await.unwrap().json().await.unwrap()
+    }
+
+    /// The keys that arrived more than once, with how often.
+    pub async fn sent_again(&self) -> BTreeMap<String, u32> {
+        self.sends().await.into_iter().filter(|(_, n)| *n > 1).collect()
+    }
+
+    /// Every key probed, in order.
+    pub async fn probes(&self) -> Vec<String> {
+        reqwest::get(format!("{}/v1/probes", self.url)).await.unwrap().json().await.unwrap()
+    }
+
+    /// Asserts what an attempt after an unknown outcome must do: every key
+    /// the rail took was probed, and taken once.
+    pub async fn assert_probed_not_resent(&self, what: &str) {
+        let (sends, probes) = (self.sends().await, self.probes().await);
+        assert!(!sends.is_empty(), "{what}: nothing was sent");
+        for (key, sent) in &sends {
+            assert_eq!(*sent, 1, "{what}: {key} was sent {sent} times");
+            assert!(probes.contains(key), "{what}: {key} was not probed ({probes:?})");
+        }
     }
 
     pub async fn set_faults(&self, faults: Value) {

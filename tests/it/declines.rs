@@ -130,6 +130,7 @@ async fn a_decline_whose_answer_was_lost_is_found_by_the_probe() {
     let pending: Value = serde_json::from_slice(&first.body).unwrap();
     assert_eq!(shown["id"], pending["id"], "the same payment ends rejected");
     assert_eq!(app.e2.declines().await.len(), 1, "probed, not sent again");
+    app.e2.assert_probed_not_resent("E2").await;
     assert!(app.e2.statement().await.is_empty());
     assert_eq!(app.unbalanced_payments().await, 0);
 }

@@ -115,6 +115,7 @@ async fn assert_paid_once_everywhere(
         let statement = rail.statement().await;
         let keys: HashSet<_> = statement.iter().map(|a| a.idempotency_key.clone()).collect();
         assert_eq!((statement.len(), keys.len()), (paid.len(), paid.len()), "one instruction per derived key");
+        assert_eq!(rail.sent_again().await, BTreeMap::new(), "each derived key sent once");
     }
     for (key, first) in paid {
         for url in [a_url, b_url] {

@@ -6,7 +6,7 @@
 //! its last commits is promoted. One reconciler run must restore every
 //! finished payment exactly once, and a second run must find nothing.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -119,7 +119,8 @@ pub async fn assert_each_paid_once(app: &TestApp, answers: &HashMap<String, Vec<
         let statement = rail.statement().await;
         let keys: HashSet<_> = statement.iter().map(|a| a.idempotency_key.clone()).collect();
         assert_eq!(statement.len(), answers.len(), "one instruction per payment at each rail");
-        assert_eq!(keys.len(), statement.len(), "no derived key twice");
+        assert_eq!(keys.len(), statement.len(), "no derived key applied twice");
+        assert_eq!(rail.sent_again().await, BTreeMap::new(), "no derived key sent twice");
     }
     for (key, bytes) in answers {
         let again = app.pay(key, &payment(&format!("E2E-{key}"))).await;

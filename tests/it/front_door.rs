@@ -2,7 +2,7 @@
 //! rail simulators: retries take effect once, answers replay byte for byte,
 //! keys are scoped per client, and bad input is refused with nothing written.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use futures::future::join_all;
 use reqwest::StatusCode;
@@ -12,21 +12,15 @@ use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
 
 const SAME_KEY_RACERS: usize = 100;
 
-/// Instructions a rail applied under each derived key.
-async fn per_key(rail: &crate::app::TestRail) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for applied in rail.statement().await {
-        *counts.entry(applied.idempotency_key).or_default() += 1;
-    }
-    counts
-}
-
 async fn assert_one_effect(app: &TestApp) {
     assert_eq!(app.count("payments").await, 1, "payments in the ledger");
     assert_eq!(app.count("postings").await, 6, "three balanced entries of two legs");
     assert_eq!(app.unbalanced_payments().await, 0);
     assert_eq!(app.e1.statement().await.len(), 1, "instructions at E1");
     assert_eq!(app.e2.statement().await.len(), 1, "instructions at E2");
+    for rail in [&app.e1, &app.e2] {
+        assert_eq!(rail.sent_again().await, BTreeMap::new(), "each derived key sent once");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -107,7 +101,7 @@ async fn a_finished_request_replays_byte_for_byte() {
     assert_ne!(second["id"], created["id"]);
     assert_eq!(app.count("payments").await, 2);
     assert_eq!(app.e2.statement().await.len(), 2);
-    assert_eq!(per_key(&app.e2).await.values().max(), Some(&1));
+    assert_eq!(app.e2.sends().await.values().max(), Some(&1), "each derived key sent once");
 }
 
 #[tokio::test]

@@ -41,10 +41,6 @@ async fn finished(app: &TestApp, key: &str) -> bool {
     app.keys.store.get(&key).await.unwrap().is_some_and(|item| item.state == KeyState::Finished)
 }
 
-async fn probes(rail: &TestRail) -> Vec<String> {
-    reqwest::get(format!("{}/v1/probes", rail.url)).await.unwrap().json().await.unwrap()
-}
-
 async fn inbox_states(app: &TestApp) -> Vec<(String, String, i64)> {
     sqlx::query_as("SELECT kind, state, count(*) FROM inbox GROUP BY kind, state ORDER BY kind, state")
         .fetch_all(app.db.ledger.pool())
@@ -66,7 +62,7 @@ async fn a_held_back_answer_is_settled_by_its_notification_before_any_probe() {
     assert_eq!(first.status(), StatusCode::ACCEPTED, "the rail held its answer back");
     eventually("settled by the notification", async || finished(&app, "held").await).await;
 
-    assert!(probes(&app.e2).await.is_empty(), "nothing probed the rail");
+    assert!(app.e2.probes().await.is_empty(), "nothing probed the rail");
     assert_eq!(app.e2.statement().await.len(), 1);
     let retry = app.pay("held", &payment("E2E-HELD")).await;
     assert_eq!(retry.status(), StatusCode::CREATED);
@@ -178,7 +174,7 @@ async fn a_return_that_overtakes_its_settlement_waits_for_it() {
         .unwrap();
     assert_eq!(entries, 10, "one entry of two legs each");
     assert_eq!(app.e2.statement().await.len(), 5);
-    assert!(probes(&app.e2).await.is_empty(), "settled by notifications alone");
+    assert!(app.e2.probes().await.is_empty(), "settled by notifications alone");
     assert_eq!(app.unbalanced_payments().await, 0);
 }
 
@@ -534,7 +530,7 @@ async fn a_refunds_held_back_answer_is_settled_by_its_notification() {
     app.e2.clear_faults().await;
     eventually("settled by the notification", async || finished(&app, "refund-held").await).await;
 
-    assert!(probes(&app.e2).await.is_empty(), "nothing probed the rail");
+    assert!(app.e2.probes().await.is_empty(), "nothing probed the rail");
     let (status, body) = app.refund_at(&app.url, &paid, "refund-held", &refund).await;
     assert_eq!(status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&body));
     assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["status"], "succeeded");

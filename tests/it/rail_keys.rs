@@ -28,6 +28,8 @@ async fn a_rebuild_after_the_rails_forgot_the_keys_sends_nothing_twice() {
     assert_eq!(repaired.unrepaired(), 0, "{}", repaired.table());
     assert_eq!(app.e1.statement().await.len(), 1, "probed, not sent again past the dedup window");
     assert_eq!(app.e2.statement().await.len(), 1);
+    app.e1.assert_probed_not_resent("E1").await;
+    app.e2.assert_probed_not_resent("E2").await;
     let stored = app.keys.store.get(&key).await.unwrap().unwrap();
     assert_eq!(stored.response.unwrap().body, bytes);
 }

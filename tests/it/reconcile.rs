@@ -139,6 +139,8 @@ async fn a_payment_the_ledger_lost_is_rebuilt_once_from_the_key_and_the_rails() 
     assert_eq!(app.count("postings").await, 6);
     assert_eq!(app.e1.statement().await.len(), 1, "the rails were probed, not paid again");
     assert_eq!(app.e2.statement().await.len(), 1);
+    app.e1.assert_probed_not_resent("E1").await;
+    app.e2.assert_probed_not_resent("E2").await;
     let ledger_answer: Vec<u8> =
         sqlx::query_scalar("SELECT response_body FROM requests").fetch_one(app.db.ledger.pool()).await.unwrap();
     assert_eq!(ledger_answer, bytes, "the ledger holds the answer clients were given");

@@ -167,6 +167,10 @@ async fn refunds_in_flight_in_a_failed_region_finish_in_another_without_overspen
     assert_eq!(app.refunded(&paid).await, (2 * AMOUNT, 2 * AMOUNT), "settled once each");
     let at_rail = app.e2.statement().await.iter().filter(|a| a.amount_minor == AMOUNT).count();
     assert_eq!(at_rail, 2, "the applied refund was probed, not sent again");
+    let sent = app.e2.sends().await;
+    assert!(sent.values().all(|n| *n == 1), "each instruction sent once: {sent:?}");
+    let applied_by_a = app.e2.statement().await.into_iter().find(|a| a.amount_minor == AMOUNT).unwrap();
+    assert!(app.e2.probes().await.contains(&applied_by_a.idempotency_key), "the refund A sent was probed");
     let in_b: i64 = sqlx::query_scalar("SELECT count(*) FROM refunds WHERE status = 'succeeded'")
         .fetch_one(b.db.ledger.pool())
         .await

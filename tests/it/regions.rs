@@ -5,7 +5,7 @@
 //! probes the rails and finishes them exactly once; the failed region's
 //! leftovers are voided by its reconciler once it is back.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use futures::future::join_all;
@@ -105,7 +105,9 @@ async fn a_fenced_ledger_commits_nothing_more_and_another_region_finishes() {
     assert_eq!(finished.status(), StatusCode::CREATED, "B took it over");
     assert_eq!(payments_in(b.db.ledger.pool(), "succeeded").await, 1);
     assert_eq!(app.e1.statement().await.len(), 1, "E1 probed, not asked twice");
+    app.e1.assert_probed_not_resent("E1").await;
     assert_eq!(app.e2.statement().await.len(), 1);
+    assert_eq!(app.e2.sent_again().await, BTreeMap::new());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -131,7 +133,9 @@ async fn a_dead_regions_request_finishes_in_another_once_the_region_is_declared_
     assert_eq!((item.state, item.fence, item.home_region.as_str()), (KeyState::Finished, Fence::new(2), "test-2"));
     assert_eq!(payments_in(b.db.ledger.pool(), "succeeded").await, 1, "rebuilt and finished in B");
     assert_eq!(app.e1.statement().await.len(), 1, "E1 was probed, not asked again");
+    app.e1.assert_probed_not_resent("E1").await;
     assert_eq!(app.e2.statement().await.len(), 1);
+    assert_eq!(app.e2.sent_again().await, BTreeMap::new());
 
     // A comes back: new requests again, this key stays in B; replays agree.
     declare(&app, "test-1", RegionState::Active).await;
@@ -223,6 +227,7 @@ async fn the_same_key_sent_to_both_regions_at_once_is_paid_once() {
         let statement = rail.statement().await;
         let distinct: HashSet<_> = statement.iter().map(|a| a.idempotency_key.clone()).collect();
         assert_eq!((statement.len(), distinct.len()), (rounds as usize, rounds as usize), "one instruction each");
+        assert_eq!(rail.sent_again().await, BTreeMap::new(), "each sent once");
     }
 }
 

@@ -3,6 +3,7 @@
 //! retry and two recovery workers that race for one stale key resume it
 //! exactly once.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use keyfence::domain::{Fence, IdempotencyKey, ScopedKey};
@@ -125,5 +126,7 @@ async fn a_zombie_fenced_out_at_finish_answers_the_successors_bytes() {
     );
     assert_eq!(zombies, successors, "the zombie's client gets the successor's bytes");
     assert_eq!(app.e1.statement().await.len(), 1, "the successor probed, not re-sent");
+    app.e1.assert_probed_not_resent("E1").await;
     assert_eq!(app.e2.statement().await.len(), 1);
+    assert_eq!(app.e2.sent_again().await, BTreeMap::new());
 }

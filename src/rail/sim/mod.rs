@@ -12,7 +12,10 @@
 //! Like a real rail it keeps idempotency keys for a limited window when
 //! started with one (`--dedup-window-ms`): past it, a repeat under the same
 //! key is a new instruction. Its status API (the probe) keeps answering
-//! from the full history, and it lists the keys it was probed for.
+//! from the full history, and it lists the keys it was probed for and
+//! counts the instructions it took under each key (every send not refused
+//! with a 503, new or a repeat), so a test sees a second send even where
+//! the rail deduplicated it.
 //!
 //! Given a callback ([`notify`]), it also tells its participant what it
 //! decided after the fact: every verdict, and returns it decides later
@@ -21,7 +24,7 @@
 
 pub mod notify;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -110,6 +113,8 @@ struct Book {
     returned: Vec<String>,
     /// Every key probed, in order.
     probes: Vec<String>,
+    /// How many instructions were taken under each key (not refused with a 503).
+    sends: BTreeMap<String, u32>,
 }
 
 /// One simulated external system.
@@ -267,6 +272,7 @@ pub fn router(sim: Arc<Simulator>) -> Router {
         .route("/v1/declines", get(declines))
         .route("/v1/returns", put(make_return).get(returns))
         .route("/v1/probes", get(probes))
+        .route("/v1/sends", get(sends))
         .route("/v1/faults", put(set_faults).delete(reset_faults).get(show_faults))
         .route("/v1/rules", put(set_rules).delete(reset_rules).get(show_rules))
         .route("/healthz", get(|| async { "ok" }))
@@ -287,6 +293,7 @@ async fn instruct(
     if fastrand::f64() < faults.error_rate {
         return (StatusCode::SERVICE_UNAVAILABLE, "simulated outage: nothing applied").into_response();
     }
+    *sim.book().sends.entry(key.to_owned()).or_default() += 1;
     match sim.record(key, instruction) {
         Ok((verdict, fresh)) => {
             if fresh {
@@ -371,6 +378,12 @@ async fn returns(State(sim): State<Arc<Simulator>>) -> Json<Vec<Returned>> {
 /// Every key probed, in order.
 async fn probes(State(sim): State<Arc<Simulator>>) -> Json<Vec<String>> {
     Json(sim.book().probes.clone())
+}
+
+/// How many instructions were taken under each key (new or repeats; a 503
+/// takes nothing).
+async fn sends(State(sim): State<Arc<Simulator>>) -> Json<BTreeMap<String, u32>> {
+    Json(sim.book().sends.clone())
 }
 
 async fn set_rules(State(sim): State<Arc<Simulator>>, Json(rules): Json<Rules>) -> Json<Rules> {
