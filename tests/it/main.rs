@@ -5,6 +5,7 @@
 mod answer_limit;
 mod app;
 mod batch;
+mod chaos;
 mod cli;
 mod client;
 mod clients;

@@ -115,6 +115,18 @@ impl ServeProcess {
         Self { child, url, admin_url }
     }
 
+    /// The process's id.
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("the process is running")
+    }
+
+    /// Sends `signal` (`KILL`, `STOP`, `CONT`, ...) to the process.
+    pub async fn signal(&self, signal: &str) {
+        let pid = self.pid().to_string();
+        let sent = Command::new("kill").args([&format!("-{signal}"), &pid]).status().await.expect("running kill");
+        assert!(sent.success(), "kill -{signal} {pid} failed");
+    }
+
     /// Asks the process to stop (SIGTERM) and waits until it has.
     pub async fn terminate(&mut self) -> ExitStatus {
         let pid = self.child.id().expect("the process is running");
