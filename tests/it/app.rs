@@ -96,6 +96,11 @@ impl TestRail {
         self.sends().await.into_iter().filter(|(_, n)| *n > 1).collect()
     }
 
+    /// How the rail's notifications stand: copies taken, copies on their way.
+    pub async fn notifications(&self) -> keyfence::rail::sim::notify::Tally {
+        reqwest::get(format!("{}/v1/notifications", self.url)).await.unwrap().json().await.unwrap()
+    }
+
     /// Every key probed, in order.
     pub async fn probes(&self) -> Vec<String> {
         reqwest::get(format!("{}/v1/probes", self.url)).await.unwrap().json().await.unwrap()

@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 
 use crate::app::{RAIL_NOTIFY_SECRET, TestApp, TestRail, payment, spawn_app_with};
 use crate::harness::eventually;
+use keyfence::rail::sim::notify::Tally;
 
 /// Has `rail` notify `app` as rail `name`.
 fn notify(rail: &TestRail, app: &TestApp, name: &str) {
@@ -46,6 +47,31 @@ async fn inbox_states(app: &TestApp) -> Vec<(String, String, i64)> {
         .fetch_all(app.db.ledger.pool())
         .await
         .unwrap()
+}
+
+/// Waits until every notification copy the rails posted has arrived and
+/// the inbox has worked every message it took in.
+async fn worked_off(app: &TestApp) {
+    eventually("every notification copy arrived and was worked", async || {
+        let (e1, e2) = (app.e1.notifications().await, app.e2.notifications().await);
+        let pending = inbox_states(app).await.iter().any(|(_, state, _)| state == "pending");
+        e1.outstanding == 0 && e2.outstanding == 0 && !pending
+    })
+    .await;
+}
+
+/// Asserts the inbox holds `verdicts` verdict messages (each taken as a
+/// probe's answer, or found known already) and exactly `returns` (state,
+/// count) of returns, once everything is worked off.
+async fn assert_inbox(app: &TestApp, verdicts: i64, returns: &[(&str, i64)]) {
+    worked_off(app).await;
+    let states = inbox_states(app).await;
+    let (kept, returned): (Vec<_>, Vec<_>) = states.iter().partition(|(kind, _, _)| kind != "returned");
+    let taken = kept.iter().filter(|(_, state, _)| state == "applied" || state == "ignored");
+    assert_eq!(taken.map(|(_, _, n)| n).sum::<i64>(), verdicts, "verdicts, all applied or ignored: {states:?}");
+    assert_eq!(kept.iter().map(|(_, _, n)| n).sum::<i64>(), verdicts, "no other verdicts: {states:?}");
+    let returned: Vec<(&str, i64)> = returned.iter().map(|(_, state, n)| (state.as_str(), *n)).collect();
+    assert_eq!(returned, returns, "returns: {states:?}");
 }
 
 async fn return_instruction(rail: &TestRail, key: &str) -> StatusCode {
@@ -90,13 +116,9 @@ async fn duplicated_and_reordered_notifications_take_effect_once() {
     for i in 0..20 {
         eventually("every payment finished", async || finished(&app, &format!("dup-{i}")).await).await;
     }
-    // Every notification was sent twice; give the second copies time to land.
-    eventually("both copies of every notification arrived", async || {
-        let sent: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox").fetch_one(app.db.ledger.pool()).await.unwrap();
-        sent == 20
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Every notification was sent twice: both copies of each arrive.
+    worked_off(&app).await;
+    assert_eq!(app.e2.notifications().await, Tally { delivered: 40, outstanding: 0 }, "two copies of each");
     assert_eq!(app.e2.statement().await.len(), 20, "one instruction each at the rail");
     let succeeded: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE status = 'succeeded'")
         .fetch_one(app.db.ledger.pool())
@@ -105,8 +127,7 @@ async fn duplicated_and_reordered_notifications_take_effect_once() {
     assert_eq!(succeeded, 20);
     assert_eq!(app.count("postings").await, 20 * 6, "hold, clear and settle, two legs each, once per payment");
     assert_eq!(app.count("inbox").await, 20, "each message kept once, however often it came");
-    let states = inbox_states(&app).await;
-    assert!(states.iter().all(|(_, state, _)| state == "applied" || state == "ignored"), "{states:?}");
+    assert_inbox(&app, 20, &[]).await;
     assert_eq!(app.unbalanced_payments().await, 0);
 }
 
@@ -127,7 +148,11 @@ async fn a_return_after_settlement_posts_one_compensating_entry_however_often_it
         shown["status"] == "returned"
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The payment's verdict and the three returns, each sent twice.
+    worked_off(&app).await;
+    assert_eq!(app.e2.notifications().await, Tally { delivered: 8, outstanding: 0 });
+    // Each return asked is notified under an id of its own: the first applied, the rest known already.
+    assert_inbox(&app, 1, &[("applied", 1), ("ignored", 2)]).await;
     let entries: Vec<(String, i64)> =
         sqlx::query_as("SELECT entry, count(*) FROM postings WHERE entry = 'return' GROUP BY entry")
             .fetch_all(app.db.ledger.pool())
@@ -260,7 +285,7 @@ async fn only_the_payment_rail_returns_a_payment_and_only_as_it_was_sent() {
         let notice = returned(id, key, amount);
         assert_eq!(post_notice(&app, rail, RAIL_NOTIFY_SECRET, now, &notice).await, StatusCode::OK, "{id}");
     }
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    worked_off(&app).await;
     let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
     assert_eq!(shown["status"], "succeeded", "not returned by any of them");
     assert_eq!(inbox_states(&app).await, [("returned".to_owned(), "unknown".to_owned(), 3)]);
@@ -276,7 +301,7 @@ async fn only_the_payment_rail_returns_a_payment_and_only_as_it_was_sent() {
         .await
         .unwrap();
     assert_eq!(kept["amount_minor"], 1000);
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    worked_off(&app).await;
     let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
     assert_eq!(shown["status"], "succeeded");
 
@@ -314,10 +339,7 @@ async fn a_return_reaching_a_copy_that_moved_away_is_kept_not_applied() {
         .unwrap();
     let key = app.e2.statement().await[0].idempotency_key.clone();
     assert_eq!(return_instruction(&app.e2, &key).await, StatusCode::OK);
-    eventually("the return is kept for the reconciler", async || {
-        inbox_states(&app).await.iter().any(|(kind, state, _)| kind == "returned" && state == "unknown")
-    })
-    .await;
+    assert_inbox(&app, 1, &[("unknown", 1)]).await;
     let shown: Value = app.get_as(&app.api_key, &location).await.json().await.unwrap();
     assert_eq!(shown["status"], "succeeded", "not returned here");
     let entries: i64 = sqlx::query_scalar("SELECT count(*) FROM postings WHERE entry = 'return'")
@@ -349,10 +371,7 @@ async fn a_return_and_a_refund_never_both_give_a_payment_back() {
         shown["status"] == "returned"
     })
     .await;
-    eventually("the refunded payment's return is kept", async || {
-        inbox_states(&app).await.contains(&("returned".to_owned(), "unknown".to_owned(), 1))
-    })
-    .await;
+    assert_inbox(&app, 3, &[("applied", 1), ("unknown", 1)]).await;
     let shown: Value = app.get_as(&app.api_key, &format!("/v1/payments/{refunded}")).await.json().await.unwrap();
     assert_eq!((shown["status"].as_str(), shown["amount_refunded"].as_i64()), (Some("succeeded"), Some(100)));
     assert_eq!(app.refunded(&returned).await, (0, 1250), "the return holds all of it");
@@ -380,10 +399,7 @@ async fn a_return_of_a_refunded_payment_freezes_what_is_left() {
     let statement = app.e2.statement().await;
     let key = statement.iter().find(|a| a.amount_minor == 1250).unwrap().idempotency_key.clone();
     assert_eq!(return_instruction(&app.e2, &key).await, StatusCode::OK);
-    eventually("the overlapping return is kept for a person", async || {
-        inbox_states(&app).await.contains(&("returned".to_owned(), "unknown".to_owned(), 1))
-    })
-    .await;
+    assert_inbox(&app, 2, &[("unknown", 1)]).await;
     let shown: Value = app.get_as(&app.api_key, &format!("/v1/payments/{paid}")).await.json().await.unwrap();
     assert_eq!((shown["status"].as_str(), shown["amount_refunded"].as_i64()), (Some("succeeded"), Some(100)));
 
@@ -470,10 +486,7 @@ async fn a_return_for_a_payment_handed_off_after_its_key_expired_is_not_applied_
 
     let sent = app.e2.statement().await[0].idempotency_key.clone();
     assert_eq!(return_instruction(&app.e2, &sent).await, StatusCode::OK);
-    eventually("the return is kept for a person", async || {
-        inbox_states(&app).await.contains(&("returned".to_owned(), "unknown".to_owned(), 1))
-    })
-    .await;
+    assert_inbox(&app, 1, &[("unknown", 1)]).await;
     let status: String =
         sqlx::query_scalar("SELECT status FROM payments").fetch_one(app.db.ledger.pool()).await.unwrap();
     assert_eq!(status, "succeeded", "the leftover is not returned");
@@ -534,9 +547,9 @@ async fn a_refunds_held_back_answer_is_settled_by_its_notification() {
     let (status, body) = app.refund_at(&app.url, &paid, "refund-held", &refund).await;
     assert_eq!(status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&body));
     assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["status"], "succeeded");
+    assert_inbox(&app, 2, &[]).await;
     let states = inbox_states(&app).await;
-    assert!(states.contains(&("applied".to_owned(), "applied".to_owned(), 1)), "{states:?}");
-    assert!(states.iter().all(|(_, state, _)| state != "unknown"), "nothing kept for a person: {states:?}");
+    assert!(states.contains(&("applied".to_owned(), "applied".to_owned(), 1)), "the refund's taken: {states:?}");
     assert_eq!(app.refunded(&paid).await, (300, 300));
 }
 
@@ -573,7 +586,7 @@ async fn a_returned_refund_gives_its_amount_back_and_says_so() {
         .unwrap();
     assert_eq!(entries, 2, "one entry, two legs");
     assert_eq!(app.unbalanced_payments().await, 0);
-    assert!(inbox_states(&app).await.contains(&("returned".to_owned(), "applied".to_owned(), 1)));
+    assert_inbox(&app, 2, &[("applied", 1)]).await;
     eventually("refund.returned delivered", async || {
         receiver.arrivals("refunds").await.iter().any(|a| a.accepted() && a.event.as_deref() == Some("refund.returned"))
     })

@@ -54,6 +54,7 @@ mod reconcile;
 mod reconcile_crashes;
 #[cfg(feature = "failpoints")]
 mod refund_crashes;
+mod refund_model;
 mod refunds;
 mod region_auth;
 #[cfg(feature = "failpoints")]

@@ -20,7 +20,9 @@
 //! - no phase runs twice in a ledger, and once an owner has adopted the
 //!   request no older owner writes to that ledger again;
 //! - no call is sent without its intent committed, and each rail takes
-//!   effect at most once per step;
+//!   effect at most once per step under all the request's derived keys
+//!   (each claim mints its payment id, as the engine does, so a send by a
+//!   second claim is a second effect);
 //! - a finished answer never changes and is the ledger's; no answer a
 //!   client saw ever changes, even after the key is gone;
 //! - the key store never forgets a request the ledger holds while it is
@@ -82,6 +84,8 @@ struct LedgerModel {
     runs: Vec<(usize, Fence)>,
     answer: Option<StoredResponse>,
     updated_at: Millis,
+    /// The payment id of the request it holds (minted by the claim).
+    payment: Option<uuid::Uuid>,
 }
 
 impl LedgerModel {
@@ -133,6 +137,8 @@ enum Actor {
         fresh: bool,
         /// When it was granted, in grants so far (see `World::grants`).
         born: u64,
+        /// The payment id its claim minted: with the step, its derived keys.
+        payment: uuid::Uuid,
     },
     /// A request its perimeter check refused (an account the client no
     /// longer holds, or another client's), between its read of the key and
@@ -232,7 +238,8 @@ struct World {
     failed: Vec<bool>,
     /// The region registry as the SRE's declarations left it.
     registry: Registry,
-    rails: [RailStep; 2],
+    /// Each rail's record, by derived key (payment id and step).
+    rails: BTreeMap<(uuid::Uuid, usize), RailStep>,
     /// Actors and the region each works in.
     actors: Vec<(usize, Actor)>,
     now: Millis,
@@ -267,7 +274,7 @@ impl World {
             ledgers: (0..regions).map(|_| LedgerModel::default()).collect(),
             failed: vec![false; regions],
             registry: Registry::default(),
-            rails: [RailStep::default(); 2],
+            rails: BTreeMap::new(),
             actors: (0..actors).map(|i| (i % regions, Actor::Idle)).collect(),
             now,
             claim,
@@ -323,6 +330,7 @@ impl World {
         let at = ledger.row.map_or(0, |(_, at)| at);
         ledger.row = Some((item.fence, at));
         ledger.updated_at = self.now;
+        assert_eq!(*ledger.payment.get_or_insert(item.payment_id), item.payment_id, "one payment id per request");
         let born = self.grant();
         Actor::Owner {
             owner,
@@ -333,6 +341,7 @@ impl World {
             checked: false,
             fresh: false,
             born,
+            payment: item.payment_id,
         }
     }
 
@@ -342,11 +351,14 @@ impl World {
             return Actor::Idle;
         }
         let owner = Owner::attempt_of("model");
+        // As the engine does, every claim mints a payment id: a claim made
+        // afresh (after the key was given back) sends under new derived keys.
         let claim = Claim {
             owner: owner.clone(),
             lease: self.lease(),
             gone_before: self.now.minus(GRACE),
             home_region: REGIONS[g].into(),
+            payment_id: uuid::Uuid::now_v7(),
             ..self.claim.clone()
         };
         match block_on(self.keys.claim(&claim)) {
@@ -361,6 +373,7 @@ impl World {
                     checked: false,
                     fresh: true,
                     born,
+                    payment: item.payment_id,
                 }
             }
             Err(KeyStoreError::Taken(Some(existing))) => self.on_existing(g, owner, &existing),
@@ -454,8 +467,8 @@ impl World {
     /// Settles external step `step` for an owner at its intent: a fresh
     /// owner sends; any other probes first and sends only if the rail has
     /// no record of the derived key.
-    fn call(&mut self, step: usize, fresh: bool, unknown: bool, applied: bool) {
-        let rail = &mut self.rails[step];
+    fn call(&mut self, payment: uuid::Uuid, step: usize, fresh: bool, unknown: bool, applied: bool) {
+        let rail = self.rails.entry((payment, step)).or_default();
         if !fresh && rail.remembers(self.now) {
             return;
         }
@@ -466,9 +479,9 @@ impl World {
 
     fn step(&mut self, index: usize, unknown: bool, applied: bool, fault: TxnFault) {
         let (g, actor) = self.actors[index].clone();
-        let (owner, fence, mut lease_until, at, outcome_in_hand, checked, fresh, born) = match actor {
-            Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born } => {
-                (owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born)
+        let (owner, fence, mut lease_until, at, outcome_in_hand, checked, fresh, born, payment) = match actor {
+            Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born, payment } => {
+                (owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born, payment)
             }
             Actor::Refused { seen, other_body } => {
                 self.actors[index].1 = self.go_on_refused(g, seen, other_body);
@@ -498,7 +511,7 @@ impl World {
             }
             let checked = true;
             self.actors[index].1 =
-                Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born };
+                Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked, fresh, born, payment };
             return;
         }
         let next = if at == FINISHED {
@@ -510,7 +523,7 @@ impl World {
             let step = if at == SENT[0] { 0 } else { 1 };
             let row_at = self.ledgers[g].row.map_or(0, |(_, a)| a);
             assert!(row_at >= at, "a call was sent before its intent was committed");
-            self.call(step, fresh, unknown, applied);
+            self.call(payment, step, fresh, unknown, applied);
             if unknown {
                 // Park: a fenced write of the attempt, then the lease is handed back.
                 if self.ledgers[g].admits(fence, Some(at)) {
@@ -519,7 +532,7 @@ impl World {
                 Actor::Idle
             } else {
                 let outcome_in_hand = true;
-                Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked: false, fresh, born }
+                Actor::Owner { owner, fence, lease_until, at, outcome_in_hand, checked: false, fresh, born, payment }
             }
         } else {
             let to = stretch_end(at);
@@ -536,6 +549,7 @@ impl World {
                 if let Some((newest, _)) = ledger.row {
                     assert!(fence >= newest, "fence {fence} wrote after fence {newest} adopted the request");
                 }
+                assert_eq!(*ledger.payment.get_or_insert(payment), payment, "one payment id per request");
                 for (point, name) in POINTS.iter().enumerate().take(to + 1).skip(at + 1) {
                     assert!(ledger.runs.iter().all(|(p, _)| *p != point), "{name} ran twice");
                     if let Some((_, last)) = ledger.runs.last() {
@@ -565,12 +579,22 @@ impl World {
                         checked: false,
                         fresh,
                         born,
+                        payment,
                     }
                 }
             }
         };
         self.actors[index].1 = next;
-        assert!(self.rails.iter().all(|r| r.effects <= 1), "a rail took effect twice for one step");
+        assert!(self.effects().iter().all(|e| *e <= 1), "a step took effect twice at its rail, under any derived key");
+    }
+
+    /// Effects at each step's rail, over every derived key the request had.
+    fn effects(&self) -> [u32; 2] {
+        let mut effects = [0; 2];
+        for ((_, step), rail) in &self.rails {
+            effects[*step] += rail.effects;
+        }
+        effects
     }
 
     fn apply(&mut self, action: &Action) {
@@ -608,7 +632,7 @@ impl World {
                 created_at: self.claim.lease.now,
                 operation: "payment".into(),
                 request_hash: self.claim.request_hash.clone(),
-                payment_id: self.claim.payment_id,
+                payment_id: ledger.payment.unwrap_or(self.claim.payment_id),
                 request: self.claim.request.clone(),
             },
             fence,
@@ -703,7 +727,7 @@ impl World {
             owner: Owner::attempt_of("reconciler"),
             home_region: REGIONS[g].into(),
             created_at: self.claim.lease.now,
-            payment_id: self.claim.payment_id,
+            payment_id: view.record.payment_id,
             response: if finished { view.answer.clone() } else { None },
             expires_at: finished.then(|| self.now.plus(RETENTION).as_secs()),
             left: Default::default(),
@@ -795,7 +819,7 @@ fn check(regions: usize, actions: &[Action], tail: fn(&mut World)) {
     }
     world.finish_by_retrying();
     tail(&mut world);
-    assert_eq!(world.rails.map(|r| r.effects), [1, 1], "each rail took effect exactly once");
+    assert_eq!(world.effects(), [1, 1], "each rail took effect exactly once");
 }
 
 #[test]
@@ -877,6 +901,6 @@ fn a_refused_request_that_outlives_the_key_it_read_never_claims() {
         world.apply(&Action::Advance { ms: RAIL_MEMORY.as_millis() as u64 });
         world.apply(&Action::Step { actor: 1, unknown: false, applied: false, fault: TxnFault::None });
         assert!(matches!(world.actors[1].1, Actor::Idle), "answered without a claim");
-        assert_eq!(world.rails.map(|r| r.effects), [1, 1], "each rail took effect once (other body: {other_body})");
+        assert_eq!(world.effects(), [1, 1], "each rail took effect once (other body: {other_body})");
     }
 }

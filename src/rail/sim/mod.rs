@@ -20,7 +20,8 @@
 //! Given a callback ([`notify`]), it also tells its participant what it
 //! decided after the fact: every verdict, and returns it decides later
 //! (`PUT /v1/returns`, or a `return_rate` fault), with at-least-once
-//! delivery, duplicates and reordering.
+//! delivery, duplicates and reordering, counting the copies taken and
+//! those on their way (`GET /v1/notifications`).
 
 pub mod notify;
 
@@ -273,6 +274,7 @@ pub fn router(sim: Arc<Simulator>) -> Router {
         .route("/v1/returns", put(make_return).get(returns))
         .route("/v1/probes", get(probes))
         .route("/v1/sends", get(sends))
+        .route("/v1/notifications", get(notifications))
         .route("/v1/faults", put(set_faults).delete(reset_faults).get(show_faults))
         .route("/v1/rules", put(set_rules).delete(reset_rules).get(show_rules))
         .route("/healthz", get(|| async { "ok" }))
@@ -378,6 +380,12 @@ async fn returns(State(sim): State<Arc<Simulator>>) -> Json<Vec<Returned>> {
 /// Every key probed, in order.
 async fn probes(State(sim): State<Arc<Simulator>>) -> Json<Vec<String>> {
     Json(sim.book().probes.clone())
+}
+
+/// How its notifications stand (all zero without a callback).
+async fn notifications(State(sim): State<Arc<Simulator>>) -> Json<notify::Tally> {
+    let notifier = sim.notifier.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    Json(notifier.map(|n| n.tally()).unwrap_or_default())
 }
 
 /// How many instructions were taken under each key (new or repeats; a 503

@@ -5,7 +5,9 @@
 //! callback's secret, and sent until the callback answers 2xx (at least
 //! once). Faults make it behave like a real network: each notification
 //! waits a random time up to `delay_ms` first (so they arrive out of
-//! order), and a share of them (`duplicate_rate`) is sent twice.
+//! order), and a share of them (`duplicate_rate`) is sent twice. It counts
+//! the copies taken and those still on their way, so a test can wait until
+//! every copy has arrived.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,13 +33,36 @@ pub struct Notifier {
     rail: String,
     /// Names this run, so a restarted simulator's ids are new ones.
     run: String,
+    /// Copies the callback took (answered 2xx).
+    delivered: AtomicU64,
+    /// Copies posted and not yet taken or given up.
+    outstanding: AtomicU64,
+}
+
+/// How the notifications stand: copies taken, and copies on their way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tally {
+    pub delivered: u64,
+    pub outstanding: u64,
 }
 
 impl Notifier {
     pub fn new(rail: &str, callback: Callback) -> Arc<Self> {
         let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("a plain HTTP client");
         let run = format!("{:08x}", fastrand::u32(..));
-        Arc::new(Self { callback, http, numbered: AtomicU64::new(0), rail: rail.to_owned(), run })
+        Arc::new(Self {
+            callback,
+            http,
+            numbered: AtomicU64::new(0),
+            rail: rail.to_owned(),
+            run,
+            delivered: AtomicU64::new(0),
+            outstanding: AtomicU64::new(0),
+        })
+    }
+
+    pub fn tally(&self) -> Tally {
+        Tally { delivered: self.delivered.load(Ordering::SeqCst), outstanding: self.outstanding.load(Ordering::SeqCst) }
     }
 
     /// A fresh notification id.
@@ -52,14 +77,19 @@ impl Notifier {
         for _ in 0..copies {
             let (me, notice) = (self.clone(), notice.clone());
             let wait = delay.mul_f64(fastrand::f64());
+            self.outstanding.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
                 tokio::time::sleep(wait).await;
-                me.send(&notice).await;
+                if me.send(&notice).await {
+                    me.delivered.fetch_add(1, Ordering::SeqCst);
+                }
+                me.outstanding.fetch_sub(1, Ordering::SeqCst);
             });
         }
     }
 
-    async fn send(&self, notice: &Notice) {
+    /// Sends one copy until it is taken; whether it was.
+    async fn send(&self, notice: &Notice) -> bool {
         let body = serde_json::to_vec(notice).expect("a notice serialises");
         let secret = Secret { value: self.callback.secret.clone(), created_at: 0, valid_until: None };
         let attempt = || async {
@@ -74,8 +104,12 @@ impl Notifier {
             .with_min_delay(Duration::from_millis(50))
             .with_max_delay(Duration::from_secs(2))
             .with_max_times(30);
-        if let Err(why) = attempt.retry(backoff).await {
-            tracing::warn!(rail = %self.rail, id = notice.id(), why, "a notification was never taken");
+        match attempt.retry(backoff).await {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::warn!(rail = %self.rail, id = notice.id(), why, "a notification was never taken");
+                false
+            }
         }
     }
 }
