@@ -21,7 +21,9 @@
 //!   refund's hold on its payment's balance, then marks it `returned` with
 //!   a compensating entry and queues `refund.returned`;
 //! - a return of a request that moved to another region is kept for a
-//!   person, whether its key still says so or only a hand-off does;
+//!   person, whether its key still says so, only a hand-off does, or this
+//!   ledger voided its copy already; its payment's balance is frozen first
+//!   all the same;
 //! - a message naming no instruction of this ledger is kept (state
 //!   `unknown`) for the reconciler.
 //!
@@ -38,7 +40,7 @@ use sqlx::{Postgres, Transaction};
 use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
 use crate::keystore::{Concluded, Conclusion, Frozen, HeldBy, Holding, KeyState, KeyStore};
-use crate::ledger::inbox::{Arrival, InFlight, Message, PendingReturn, settle_message};
+use crate::ledger::inbox::{Arrival, InFlight, LEFTOVER, Message, PendingReturn, settle_message};
 use crate::ledger::{LedgerError, payments, refunds};
 use crate::operations::{
     RefundOperation, Registered, ReturnEffect, apply_refund_return, apply_return as apply_payment_return,
@@ -234,6 +236,9 @@ async fn return_payment<K: KeyStore>(
     let paid = payments::current(tx, pending.payment_id).await?;
     let frozen = Frozen { by: format!("return {} from {}", pending.message_id, pending.rail), at: Millis::now() };
     engine.keys().freeze(&RefundOperation::balance_of(pending.payment_id), paid.amount_minor, &frozen).await?;
+    if paid.status == "voided" {
+        return taken(ReturnEffect::Unmatched(LEFTOVER));
+    }
     if engine.moved_away(&pending.key, pending.created_at).await?.is_some() {
         return taken(ReturnEffect::Unmatched(MOVED));
     }

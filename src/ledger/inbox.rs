@@ -113,6 +113,9 @@ struct Named {
     end_to_end_id: Option<String>,
 }
 
+/// Why a message about a voided copy is kept for a person.
+pub const LEFTOVER: &str = "this ledger holds a leftover; the payment's live copy is in another region";
+
 /// The steps whose instruction a rail may return: a payment's (`ext2`) and
 /// a refund's.
 const RETURNABLE: [&str; 2] = ["ext2", "refund"];
@@ -139,8 +142,11 @@ impl Named {
         if !same_reference || !same_amount {
             return Arrival::Unknown("it does not match the instruction sent");
         }
-        if self.status.as_deref() == Some("voided") {
-            return Arrival::Unknown("this ledger holds a leftover; the payment's live copy is in another region");
+        // A payment's return still freezes its balance when this ledger
+        // holds only a leftover (the inbox decides after freezing).
+        let leftover = self.status.as_deref() == Some("voided");
+        if leftover && !(message.kind == "returned" && self.step == "ext2") {
+            return Arrival::Unknown(LEFTOVER);
         }
         let in_flight = || InFlight::of(self.client_id, &self.idem_key, self.request_created_at, self.payment_id);
         match (message.kind, self.outcome.as_str()) {

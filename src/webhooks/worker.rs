@@ -252,7 +252,7 @@ impl Worker {
     fn too_late(&self, taken: &Taken, asked: Instant) -> bool {
         let late = asked.elapsed() + self.settings.timeout + Duration::from_secs(1) >= self.lease();
         if late {
-            tracing::warn!(webhook_id = taken.webhook_id, "a webhook delivery waited past its lease; left to the next");
+            tracing::warn!(webhook_id = taken.webhook_id, "a webhook delivery waited past its lease; given back");
         }
         late
     }
@@ -260,13 +260,16 @@ impl Worker {
     /// One attempt of one delivery taken at `asked` (or before), and what
     /// follows from its outcome. An attempt that could not end inside the
     /// lease any more (this worker was held up since, before it began or by
-    /// the key store's answer) is not made: another worker may take the
-    /// delivery once the lease ends.
+    /// the key store's answer) is not made: it is given back, due at once,
+    /// for whichever worker takes it next (or, if the lease ran out
+    /// meanwhile, left to the worker that took it since).
     async fn deliver(&self, taken: Taken, endpoint: Option<Option<Endpoint>>, asked: Instant) {
-        if self.too_late(&taken, asked) {
-            return;
-        }
+        let held_up = || {
+            let error = "held up past its lease before the send; given back".to_owned();
+            (Outcome::NotSent { error, wait: Duration::ZERO }, FollowUp::None)
+        };
         let (outcome, follow_up) = match &endpoint {
+            _ if self.too_late(&taken, asked) => held_up(),
             None => {
                 let error = "the endpoint could not be read".to_owned();
                 (Outcome::NotSent { error, wait: NOT_SENT_WAIT }, FollowUp::None)
@@ -289,10 +292,7 @@ impl Worker {
                 }
                 Ok(None) => {
                     failpoint::boundary(|| "before-webhook-send".to_owned());
-                    if self.too_late(&taken, asked) {
-                        return;
-                    }
-                    self.attempt(&taken, e).await
+                    if self.too_late(&taken, asked) { held_up() } else { self.attempt(&taken, e).await }
                 }
                 Err(error) => (Outcome::NotSent { error, wait: NOT_SENT_WAIT }, FollowUp::None),
             },

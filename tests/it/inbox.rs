@@ -500,6 +500,44 @@ async fn a_return_for_a_payment_handed_off_after_its_key_expired_is_not_applied_
     assert!(balance.frozen.is_some(), "no refund of the live copy begins either");
 }
 
+/// A return reaching a region whose reconciler voided its copy already
+/// (the payment was finished in another region, and its key and hand-off
+/// are gone since): nothing is applied to the leftover, but the payment's
+/// balance is frozen all the same, so its live copy is not refunded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_reaching_a_voided_leftover_still_freezes_its_payment() {
+    let app = quiet_app().await;
+    notify(&app.e2, &app, "e2");
+    let paid = app.paid("E2E-RETURN-VOIDED").await;
+    worked_off(&app).await;
+    sqlx::query("UPDATE payments SET status = 'voided'").execute(app.db.ledger.pool()).await.unwrap();
+    let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("pay-E2E-RETURN-VOIDED").unwrap());
+    app.keys
+        .store
+        .client()
+        .delete_item()
+        .table_name(app.keys.store.table())
+        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(key.partition_key()))
+        .send()
+        .await
+        .unwrap();
+
+    let sent = app.e2.statement().await[0].idempotency_key.clone();
+    assert_eq!(return_instruction(&app.e2, &sent).await, StatusCode::OK);
+    assert_inbox(&app, 1, &[("unknown", 1)]).await;
+    let note: String = sqlx::query_scalar("SELECT note FROM inbox WHERE kind = 'returned'")
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert!(note.contains("leftover"), "{note}");
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM payments").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(status, "voided", "the leftover is not returned");
+    let balance = app.keys.store.balance(&RefundOperation::balance_of(paid.parse().unwrap())).await.unwrap();
+    let balance = balance.expect("the return froze the payment's balance");
+    assert!(balance.holds.is_empty() && balance.frozen.is_some(), "{balance:?}");
+}
+
 /// Messages kept for a person are never pruned, and the reconciler lists
 /// every one of them, oldest first (past a page of a thousand), and gives
 /// their number to the metrics file an alert reads.
@@ -548,8 +586,13 @@ async fn a_refunds_held_back_answer_is_settled_by_its_notification() {
     assert_eq!(status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&body));
     assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["status"], "succeeded");
     assert_inbox(&app, 2, &[]).await;
-    let states = inbox_states(&app).await;
-    assert!(states.contains(&("applied".to_owned(), "applied".to_owned(), 1)), "the refund's taken: {states:?}");
+    let sent = app.e2.statement().await.into_iter().find(|a| a.amount_minor == 300).unwrap().idempotency_key;
+    let refunds: String = sqlx::query_scalar("SELECT state FROM inbox WHERE derived_key = $1::uuid")
+        .bind(&sent)
+        .fetch_one(app.db.ledger.pool())
+        .await
+        .unwrap();
+    assert_eq!(refunds, "applied", "the refund's verdict took effect as its probe would have");
     assert_eq!(app.refunded(&paid).await, (300, 300));
 }
 

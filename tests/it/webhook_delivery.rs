@@ -515,8 +515,9 @@ async fn a_failed_region_sends_nothing_and_once_restored_not_what_moved_away() {
 
 /// A worker held up after it took a delivery and before it sends (a slow
 /// key-store read stands behind the stall) checks its lease again: too
-/// late to end inside it, it leaves the delivery to the next worker, so the
-/// receiver never gets one id from two workers at once.
+/// late to end inside it, it gives the delivery back, due at once and its
+/// attempt uncounted, so the receiver never gets one id from two workers
+/// at once and the schedule loses nothing.
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_held_up_before_its_send_leaves_the_delivery_to_the_next() {
@@ -553,4 +554,7 @@ async fn a_worker_held_up_before_its_send_leaves_the_delivery_to_the_next() {
     assert!(arrivals.iter().all(|a| !a.overlapping), "never sent by both at once: {arrivals:?}");
     assert_eq!(arrivals.len(), 1, "sent once, by the worker that held the lease: {arrivals:?}");
     assert!(logs.lines().iter().any(|l| l.contains("waited past its lease")), "the held worker gave it up");
+    let attempts: i32 =
+        sqlx::query_scalar("SELECT attempts FROM webhook_deliveries").fetch_one(app.db.ledger.pool()).await.unwrap();
+    assert_eq!(attempts, 1, "the attempt given back is not counted against the schedule");
 }

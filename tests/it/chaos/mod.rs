@@ -111,18 +111,23 @@ async fn run(seed: u64, schedule: Duration) {
     );
 }
 
-/// Waits until no key is in flight and no rail notification waits (60 s at most).
+/// Waits until no key is in flight, no notification is on its way, and no
+/// return waits to be worked (60 s at most).
 async fn quiesce(stack: &Stack, journal: &Journal) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let [ledger, _] = stack.fresh_pools();
     while Instant::now() < deadline {
         let in_flight = stack.in_flight().await;
-        let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox WHERE state = 'pending'")
-            .fetch_one(&ledger)
-            .await
-            .unwrap_or(1);
-        if in_flight == 0 && waiting == 0 {
-            journal.note("quiet: no key in flight, no notification waiting");
+        let posting = stack.app.e1.notifications().await.outstanding + stack.app.e2.notifications().await.outstanding;
+        // Verdicts about requests another region finished wait here for an
+        // hour; returns must have been worked.
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM inbox WHERE state = 'pending' AND kind = 'returned'")
+                .fetch_one(&ledger)
+                .await
+                .unwrap_or(1);
+        if in_flight == 0 && posting == 0 && waiting == 0 {
+            journal.note("quiet: no key in flight, no notification on its way, no return waiting");
             return;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -29,6 +29,9 @@ pub fn plan(seed: u64, schedule: Duration) -> Vec<(Duration, Fault)> {
     let mut rng = fastrand::Rng::with_seed(seed.rotate_left(17) ^ 0x006e_656d_6573_6973);
     let ms = |rng: &mut fastrand::Rng, range: std::ops::Range<u64>| Duration::from_millis(rng.u64(range));
     let (mut at, mut failover_over) = (Duration::from_secs(2), Duration::ZERO);
+    // Until when each rail's faults are planned: one rail's faults never
+    // overlap (clearing one would clear the other).
+    let mut rail_free = [Duration::ZERO; 2];
     let mut planned = Vec::new();
     while at + Duration::from_secs(5) < schedule {
         let fault = match rng.u8(0..10) {
@@ -41,8 +44,14 @@ pub fn plan(seed: u64, schedule: Duration) -> Vec<(Duration, Fault)> {
                     2 => json!({ "timeout_after_apply_rate": 0.5 }),
                     _ => json!({ "delay_ms": 3000, "duplicate_rate": 0.5 }),
                 };
-                let rail = if rng.bool() { "e1" } else { "e2" };
-                Fault::Rail { rail, faults, lasting: ms(&mut rng, 1000..5000) }
+                let (first, lasting) = (rng.usize(0..2), ms(&mut rng, 1000..5000));
+                match [first, 1 - first].into_iter().find(|&r| rail_free[r] <= at) {
+                    Some(r) => {
+                        rail_free[r] = at + lasting + Duration::from_millis(100);
+                        Fault::Rail { rail: ["e1", "e2"][r], faults, lasting }
+                    }
+                    None => Fault::Backends,
+                }
             }
             8 => Fault::Backends,
             _ if at >= failover_over => {

@@ -13,8 +13,13 @@ use keyfence::domain::ClientId;
 use tokio::process::Command;
 
 use super::journal::Journal;
-use crate::app::{TestApp, TestRegion, spawn_app_with};
+use crate::app::{TestApp, TestRail, TestRegion, spawn_app_on};
 use crate::process::{Logs, ServeProcess, keyfence_command};
+
+/// How long the rails deduplicate a key: longer than any pause the nemesis
+/// makes and a lease, as a real rail's day is. A zombie woken after a
+/// rail forgot its key would pay again: the engine counts on the window.
+const RAIL_MEMORY: Duration = Duration::from_secs(60);
 
 /// How long finished keys are kept, and the grace after it.
 pub const RETENTION: Duration = Duration::from_secs(20);
@@ -65,7 +70,9 @@ pub struct Stack {
 
 impl Stack {
     pub async fn start() -> Self {
-        let app = spawn_app_with(|s| {
+        let (e1, e2) =
+            (TestRail::start_with("e1", Some(RAIL_MEMORY)).await, TestRail::start_with("e2", Some(RAIL_MEMORY)).await);
+        let app = spawn_app_on(e1, e2, |s| {
             s.engine.work.retention = retention();
             s.engine.work.lease = Duration::from_millis(crate::process::LEASE_MS);
             (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(330), 1);
@@ -185,10 +192,15 @@ impl Stack {
     }
 
     /// Undoes every fault in force: rails cleared, paused instances
-    /// continued, dead ones started again.
+    /// continued, dead ones started again, region A active (a restore cut
+    /// short by ended sessions is made again).
     pub async fn heal(&self, journal: &Journal) {
         self.app.e1.clear_faults().await;
         self.app.e2.clear_faults().await;
+        let ledger = self.app.db.url.as_str();
+        let restore = ["regions", "restore", "--region", "test-1", "--reason", "healed", "--ledger", ledger];
+        let (code, said) = self.operator(Region::B, &restore).await;
+        journal.note(format!("heal: region A restored (exit {code:?}): {}", said.trim().replace('\n', " / ")));
         for (i, (name, _)) in INSTANCES.iter().enumerate() {
             if self.pause(i, false).await {
                 journal.note(format!("heal: continued {name}"));
