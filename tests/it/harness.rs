@@ -36,6 +36,13 @@ impl TestKeys {
 }
 
 impl TestKeys {
+    /// Deletes `key`'s item, as if it had been lost (or swept past its
+    /// retention before its time).
+    pub async fn lose(&self, key: &ScopedKey) {
+        let pk = aws_sdk_dynamodb::types::AttributeValue::S(key.partition_key());
+        self.store.client().delete_item().table_name(self.store.table()).key("pk", pk).send().await.unwrap();
+    }
+
     /// Arms a fault of the bundled emulator for this test's table (see
     /// localstack/README.md): `fault` names the operation, count and action.
     pub async fn arm(&self, mut fault: serde_json::Value) {

@@ -474,15 +474,7 @@ async fn a_return_for_a_payment_handed_off_after_its_key_expired_is_not_applied_
         fence: item.fence.next(),
     };
     app.keys.store.hand_off(&handoff).await.unwrap();
-    app.keys
-        .store
-        .client()
-        .delete_item()
-        .table_name(app.keys.store.table())
-        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(key.partition_key()))
-        .send()
-        .await
-        .unwrap();
+    app.keys.lose(&key).await;
 
     let sent = app.e2.statement().await[0].idempotency_key.clone();
     assert_eq!(return_instruction(&app.e2, &sent).await, StatusCode::OK);
@@ -512,15 +504,7 @@ async fn a_return_reaching_a_voided_leftover_still_freezes_its_payment() {
     worked_off(&app).await;
     sqlx::query("UPDATE payments SET status = 'voided'").execute(app.db.ledger.pool()).await.unwrap();
     let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse("pay-E2E-RETURN-VOIDED").unwrap());
-    app.keys
-        .store
-        .client()
-        .delete_item()
-        .table_name(app.keys.store.table())
-        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(key.partition_key()))
-        .send()
-        .await
-        .unwrap();
+    app.keys.lose(&key).await;
 
     let sent = app.e2.statement().await[0].idempotency_key.clone();
     assert_eq!(return_instruction(&app.e2, &sent).await, StatusCode::OK);

@@ -152,8 +152,7 @@ async fn a_payment_the_ledger_lost_is_rebuilt_once_from_the_key_and_the_rails() 
 async fn a_lost_key_is_recreated_so_a_retry_replays_instead_of_paying_again() {
     let app = spawn_app().await;
     let (key, bytes) = pay_once(&app, "keyless-1").await;
-    let client = app.keys.store.client();
-    client.delete_item().table_name(app.keys.store.table()).key("pk", pk(&key)).send().await.unwrap();
+    app.keys.lose(&key).await;
 
     let report = reconcile(&app, false).await;
     assert_eq!(classes(&report), [Class::KeyMissing]);
@@ -253,15 +252,7 @@ async fn a_report_only_run_changes_nothing() {
     let (lost, _) = pay_once(&app, "dry-1").await;
     let (keyless, _) = pay_once(&app, "dry-2").await;
     lose_from_ledger(&app, &lost).await;
-    app.keys
-        .store
-        .client()
-        .delete_item()
-        .table_name(app.keys.store.table())
-        .key("pk", pk(&keyless))
-        .send()
-        .await
-        .unwrap();
+    app.keys.lose(&keyless).await;
 
     let before = snapshot(&app).await;
     let report = reconcile(&app, false).await;
@@ -341,9 +332,10 @@ async fn keys_past_their_retention_are_expired_not_missing_and_never_recreated()
         .execute(app.db.ledger.pool())
         .await
         .unwrap();
-    let client = app.keys.store.client();
-    client.delete_item().table_name(app.keys.store.table()).key("pk", pk(&key)).send().await.unwrap();
-    client
+    app.keys.lose(&key).await;
+    app.keys
+        .store
+        .client()
         .update_item()
         .table_name(app.keys.store.table())
         .key("pk", pk(&kept))
@@ -413,8 +405,7 @@ async fn a_refused_repair_stays_unresolved_and_exits_1() {
 async fn a_key_claimed_twice_is_reported_as_worked_twice_and_left_for_a_person() {
     let app = spawn_app().await;
     let (key, _) = pay_once(&app, "twice-1").await;
-    let client = app.keys.store.client();
-    client.delete_item().table_name(app.keys.store.table()).key("pk", pk(&key)).send().await.unwrap();
+    app.keys.lose(&key).await;
     // The retry reaches an instance that never saw the first answer (the
     // one that gave it would replay it from memory).
     let (fresh, _stop) = crate::app::start_instance(&app.settings).await;
