@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use crate::clients::{ClientStore, Directory};
 use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
-use crate::http::{AppState, Peers, RegionSecret, Throttle, admin_router, router, server};
+use crate::http::{AppState, PeerInboxes, Peers, RegionSecret, Throttle, admin_router, router, server};
 use crate::inbox::RailSecrets;
 use crate::keystore::{self, DynamoKeyStore, KeyStore, KeyStoreError, TableChange};
 use crate::ledger::partitions::{self, Partitioning};
@@ -154,8 +154,9 @@ pub struct Application {
     expiry: Option<(Duration, expiry::Options)>,
     /// `None`: this process delivers no webhooks.
     webhooks: Option<(Duration, Arc<webhooks::worker::Worker>)>,
-    /// `None`: no inbox worker in this process.
-    inbox_interval: Option<Duration>,
+    /// `None`: no inbox worker in this process; else how often it works,
+    /// and the other regions' inboxes it hands messages on to.
+    inbox: Option<(Duration, PeerInboxes)>,
     /// `None`: this process leaves the ledger's partitions to `keyfence maintain`.
     partitions: Option<(Duration, Partitioning)>,
 }
@@ -270,13 +271,15 @@ impl Application {
         Ok(Self {
             listener,
             router: router(state.clone()),
-            admin: (admin, admin_router(state)),
+            admin: (admin, admin_router(state.clone())),
             engine,
             limits,
             recovery_interval,
             expiry,
             webhooks,
-            inbox_interval: Some(Duration::from_millis(settings.inbox_interval_ms)).filter(|d| !d.is_zero()),
+            inbox: Some(Duration::from_millis(settings.inbox_interval_ms))
+                .filter(|d| !d.is_zero())
+                .map(|every| (every, state.peer_inboxes())),
             partitions,
         })
     }
@@ -312,8 +315,8 @@ impl Application {
         });
         let courier =
             self.webhooks.map(|(every, worker)| tokio::spawn(worker.run_until_stopped(every, stopped.clone())));
-        let clerk = self.inbox_interval.map(|every| {
-            tokio::spawn(crate::inbox::worker::run_until_stopped(self.engine.clone(), every, stopped.clone()))
+        let clerk = self.inbox.map(|(every, hands)| {
+            tokio::spawn(crate::inbox::worker::run_until_stopped(self.engine.clone(), hands, every, stopped.clone()))
         });
         let housekeeper = self.partitions.map(|(every, plan)| {
             let engine = self.engine.clone();

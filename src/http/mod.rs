@@ -6,6 +6,7 @@
 //! operators' listener: metrics and readiness in detail.
 
 mod extract;
+mod hand_on;
 mod json;
 mod keys;
 mod live;
@@ -36,6 +37,7 @@ use crate::clients::Directory;
 use crate::engine::Engine;
 use crate::keystore::DynamoKeyStore;
 
+pub use hand_on::PeerInboxes;
 pub use peers::Peers;
 pub use probes::Readiness;
 pub use problem::ApiError;
@@ -64,6 +66,18 @@ pub struct AppState {
     pub webhook_targets: crate::webhooks::TargetPolicy,
     /// The secrets the rails sign their notifications with.
     pub rail_secrets: crate::inbox::RailSecrets,
+}
+
+impl AppState {
+    /// The other regions' inboxes, reached as this front door reaches the
+    /// other regions for reads.
+    pub fn peer_inboxes(&self) -> PeerInboxes {
+        PeerInboxes {
+            peers: self.peers.clone(),
+            regions: self.engine.regions().clone(),
+            me: self.engine.region().to_owned(),
+        }
+    }
 }
 
 /// Counts every answer by route and class, and times it the way

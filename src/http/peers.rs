@@ -156,6 +156,42 @@ impl Peers {
         path: &str,
         query: &[(&str, &str)],
     ) -> Result<Option<Value>, ()> {
+        let (status, body) = self.exchange(asker, region, base, path, query, None).await?;
+        match status {
+            StatusCode::OK => serde_json::from_slice(&body).map(Some).map_err(|_| ()),
+            StatusCode::NOT_FOUND => Ok(None),
+            status => {
+                tracing::warn!(base, %status, "another region could not answer");
+                Err(())
+            }
+        }
+    }
+
+    /// Sends `posted` (a body and its headers) to `region`'s `path`,
+    /// signed as this region; how the region answered, if it is to be
+    /// believed (signed by the region, for this request, within size).
+    pub async fn post(
+        &self,
+        asker: Asker<'_>,
+        region: &str,
+        base: &str,
+        path: &str,
+        query: &[(&str, &str)],
+        posted: Posted<'_>,
+    ) -> Result<StatusCode, ()> {
+        self.exchange(asker, region, base, path, query, Some(posted)).await.map(|(status, _)| status)
+    }
+
+    /// A signed GET, or a POST of `posted`: the answer's status and body.
+    async fn exchange(
+        &self,
+        asker: Asker<'_>,
+        region: &str,
+        base: &str,
+        path: &str,
+        query: &[(&str, &str)],
+        posted: Option<Posted<'_>>,
+    ) -> Result<(StatusCode, Vec<u8>), ()> {
         let Some(secret) = &self.secret else {
             tracing::warn!(region, "no region secret: other regions cannot be asked (set KEYFENCE_REGION_SECRET_FILE)");
             return Err(());
@@ -167,7 +203,7 @@ impl Peers {
         };
         let authority = authority(&url);
         let asking = Asking {
-            method: "GET",
+            method: if posted.is_some() { "POST" } else { "GET" },
             authority: &authority,
             target: &target,
             region,
@@ -176,7 +212,16 @@ impl Peers {
             at: now(),
         };
         let (headers, signature) = secret.sign(&asking);
-        let mut request = self.http.get(url);
+        let mut request = match posted {
+            Some(posted) => {
+                let mut request = self.http.post(url).body(posted.body.to_vec());
+                for (name, value) in posted.headers {
+                    request = request.header(*name, value.as_str());
+                }
+                request
+            }
+            None => self.http.get(url),
+        };
         for (name, value) in headers {
             request = request.header(name, value);
         }
@@ -200,15 +245,15 @@ impl Peers {
             tracing::warn!(region, base, %status, "an answer without the region's signature is not believed");
             return Err(());
         }
-        match status {
-            StatusCode::OK => serde_json::from_slice(&body).map(Some).map_err(|_| ()),
-            StatusCode::NOT_FOUND => Ok(None),
-            status => {
-                tracing::warn!(base, %status, "another region could not answer");
-                Err(())
-            }
-        }
+        Ok((status, body))
     }
+}
+
+/// A body one region posts to another, with its own headers.
+#[derive(Clone, Copy)]
+pub struct Posted<'a> {
+    pub body: &'a [u8],
+    pub headers: &'a [(&'static str, String)],
 }
 
 /// A URL's host and port (the port even when it is the scheme's default),
@@ -235,7 +280,7 @@ fn peer_url(base: &str, path: &str, query: &[(&str, &str)]) -> Result<reqwest::U
 /// The regions other than `me` that advertise a URL. A region declared
 /// failed is asked too: it still holds what it finished, and answers reads
 /// while it is reachable.
-fn others<'a>(registry: &'a Registry, me: &'a str) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+pub fn others<'a>(registry: &'a Registry, me: &'a str) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
     registry.urls.iter().filter(move |(region, _)| region.as_str() != me).map(|(r, url)| (r.as_str(), url.as_str()))
 }
 

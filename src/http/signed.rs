@@ -57,6 +57,10 @@ impl std::fmt::Debug for RegionSecret {
 #[derive(Clone, Copy, Debug)]
 pub struct ForwardedFor(pub ClientId);
 
+/// The region a verified forwarded request comes from.
+#[derive(Clone, Debug)]
+pub struct ForwardedFrom(pub String);
+
 /// What a signed request says of itself.
 pub struct Asking<'a> {
     pub method: &'a str,
@@ -195,7 +199,9 @@ pub async fn from_a_region(State(state): State<AppState>, mut request: Request, 
     else {
         return ApiError::Unauthenticated.into_response();
     };
+    let from = request.headers().get(FROM).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
     request.extensions_mut().insert(ForwardedFor(client));
+    request.extensions_mut().insert(ForwardedFrom(from));
     let (mut parts, body) = next.run(request).await.into_parts();
     let Ok(body) = axum::body::to_bytes(body, MAX_ANSWER).await else {
         return ApiError::Internal("an answer to another region is too large".into()).into_response();

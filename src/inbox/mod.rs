@@ -24,12 +24,17 @@
 //!   person, whether its key still says so, only a hand-off does, or this
 //!   ledger voided its copy already; its payment's balance is frozen first
 //!   all the same;
-//! - a message naming no instruction of this ledger is kept (state
-//!   `unknown`) for the reconciler.
+//! - a message this region cannot take (no instruction of its ledger has
+//!   its key, this ledger holds a leftover, or the request moved to another
+//!   region) is handed to the region that holds the live copy ([`hand`]):
+//!   a rail notifies one URL, not one per region. Only a message no region
+//!   takes is kept (state `unknown`) for the reconciler, as is every
+//!   message when no other region is known.
 //!
 //! [`worker`] retries what waits: returns whose payment has settled since,
-//! and verdicts whose request no owner is working.
+//! verdicts whose request no owner is working, and messages to hand on.
 
+pub mod hand;
 pub mod worker;
 
 use std::collections::BTreeMap;
@@ -40,7 +45,9 @@ use sqlx::{Postgres, Transaction};
 use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
 use crate::keystore::{Concluded, Conclusion, Frozen, HeldBy, Holding, KeyState, KeyStore};
-use crate::ledger::inbox::{Arrival, InFlight, LEFTOVER, Message, PendingReturn, settle_message};
+use crate::ledger::inbox::{
+    Arrival, InFlight, LEFTOVER, Message, PendingReturn, Signed, hand_on_later, settle_message,
+};
 use crate::ledger::{LedgerError, payments, refunds};
 use crate::operations::{
     RefundOperation, Registered, ReturnEffect, apply_refund_return, apply_return as apply_payment_return,
@@ -82,9 +89,9 @@ impl std::fmt::Debug for RailSecrets {
     }
 }
 
-/// The message in `body`, signed as `id`; an error says what is wrong.
-pub fn parse(rail: &str, id: &str, body: &[u8]) -> Result<Message, String> {
-    let notice: Notice = serde_json::from_slice(body).map_err(|e| format!("not a rail notification: {e}"))?;
+/// The message in `signed`, signed as `id`; an error says what is wrong.
+pub fn parse(rail: &str, id: &str, signed: Signed) -> Result<Message, String> {
+    let notice: Notice = serde_json::from_slice(&signed.raw).map_err(|e| format!("not a rail notification: {e}"))?;
     let (own_id, kind, key, inner) = match notice {
         Notice::Applied { id, applied } => {
             if !applied.fits() {
@@ -118,6 +125,8 @@ pub fn parse(rail: &str, id: &str, body: &[u8]) -> Result<Message, String> {
         // Only the form keyfence sends (32 hex digits) names an instruction.
         derived_key: uuid::Uuid::try_parse(&key).ok().filter(|k| k.simple().to_string() == key),
         body: inner.map_err(|e| e.to_string())?,
+        signed,
+        handed_from: None,
     })
 }
 
@@ -127,7 +136,8 @@ fn too_long() -> String {
 
 /// Takes `message` in: recorded once, and its effect set going.
 pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Message) -> Result<Arrival, LedgerError> {
-    let arrival = engine.ledger().receive(message).await?;
+    let may_hand_on = message.handed_from.is_none() && hand::others_known(engine).await;
+    let arrival = engine.ledger().receive(message, may_hand_on).await?;
     metrics::counter!("keyfence_rail_notifications_total", "kind" => message.kind, "arrival" => arrival.label())
         .increment(1);
     match &arrival {
@@ -139,6 +149,7 @@ pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Mess
                 created_at: in_flight.created_at,
                 body: message.body.clone(),
                 payment_id: in_flight.payment_id,
+                may_hand_on: message.handed_from.is_none() && !message.signed.raw.is_empty(),
             };
             let engine = engine.clone();
             tokio::spawn(async move {
@@ -154,6 +165,9 @@ pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Mess
         Arrival::Unknown(why) => {
             tracing::warn!(rail = %message.rail, id = %message.id, why, "a rail notification cannot take effect here; kept for the reconciler");
         }
+        Arrival::Forwarding(why) => {
+            tracing::info!(rail = %message.rail, id = %message.id, why, "a rail notification to hand to another region");
+        }
         Arrival::Conflicting => {
             tracing::warn!(rail = %message.rail, id = %message.id, "a rail sent another message under an id it used before; dropped");
         }
@@ -162,9 +176,40 @@ pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Mess
     Ok(arrival)
 }
 
+/// Takes in `message`, handed here by another region, if this region
+/// holds its live copy (the instruction is in its ledger, not voided, and
+/// the request did not move away); `None` if not, with nothing recorded.
+pub async fn take_handed<K: KeyStore + 'static>(
+    engine: &Arc<Engine<K>>,
+    message: &Message,
+) -> Result<Option<Arrival>, EngineError> {
+    let Some(request) = engine.ledger().live_request_of(message).await? else { return Ok(None) };
+    if engine.moved_away(&request.key, request.created_at).await?.is_some() {
+        return Ok(None);
+    }
+    Ok(Some(take(engine, message).await?))
+}
+
 /// Resumes the request a verdict arrived for, if nobody is working it (an
-/// owner that is reads the verdict when it next settles the step).
+/// owner that is reads the verdict when it next settles the step). A
+/// request that moved to another region is not resumed here: its verdicts
+/// are handed on.
 pub async fn resume<K: KeyStore>(engine: &Engine<K>, in_flight: &InFlight) {
+    match engine.moved_away(&in_flight.key, in_flight.created_at).await {
+        Ok(None) => {}
+        Ok(Some(_)) => {
+            if hand::others_known(engine).await
+                && let Err(e) = engine.ledger().hand_on_verdicts(in_flight, MOVED).await
+            {
+                tracing::warn!(key = %in_flight.key, error = %e, "could not hand on a moved request's verdicts");
+            }
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(key = %in_flight.key, error = %e, "could not read a notified request's key");
+            return;
+        }
+    }
     let item = match engine.keys().get(&in_flight.key).await {
         Ok(Some(item)) => item,
         Ok(None) => return,
@@ -197,6 +242,13 @@ pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingRetu
         ReturnEffect::AlreadyReturned => ("ignored", Some("it was returned already")),
         ReturnEffect::Unmatched(why) => ("unknown", Some(why)),
     };
+    let elsewhere = [LEFTOVER, MOVED].contains(&note.unwrap_or_default());
+    if state == "unknown" && elsewhere && pending.may_hand_on && hand::others_known(engine).await {
+        hand_on_later(&mut tx, &pending.rail, &pending.message_id, note.unwrap_or_default()).await?;
+        tx.commit().await.map_err(LedgerError::from)?;
+        tracing::info!(message = pending.message_id, id = %pending.payment_id, what, "a return to hand to another region");
+        return Ok(());
+    }
     settle_message(&mut tx, &pending.rail, &pending.message_id, state, note).await?;
     tx.commit().await.map_err(LedgerError::from)?;
     match effect.effect {
@@ -294,6 +346,7 @@ impl Arrival {
             Self::Pending(_) => "pending",
             Self::Ignored => "ignored",
             Self::Unknown(_) => "unknown",
+            Self::Forwarding(_) => "forwarding",
         }
     }
 }

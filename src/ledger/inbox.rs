@@ -20,6 +20,29 @@ pub struct Message {
     pub kind: &'static str,
     pub derived_key: Option<Uuid>,
     pub body: serde_json::Value,
+    /// The rail's own word, kept to hand the message on as it came.
+    pub signed: Signed,
+    /// The region that handed it here; such a message is never handed on.
+    pub handed_from: Option<String>,
+}
+
+/// A notification's bytes and the rail's signature of them (Standard
+/// Webhooks: its `webhook-timestamp` and `webhook-signature`).
+#[derive(Debug, Clone, Default)]
+pub struct Signed {
+    pub raw: Vec<u8>,
+    pub at: i64,
+    pub signature: String,
+}
+
+/// A message waiting to be handed to the region that holds its live copy.
+#[derive(Debug, Clone)]
+pub struct Waiting {
+    pub rail: String,
+    pub message_id: String,
+    pub signed: Signed,
+    /// Since when it has been offered to the other regions.
+    pub since: Millis,
 }
 
 /// What became of a message on arrival.
@@ -37,6 +60,8 @@ pub enum Arrival {
     /// Kept for the reconciler: it names no instruction of this ledger, or
     /// cannot take effect here (see its note).
     Unknown(&'static str),
+    /// Kept to be handed to another region, for the reason given.
+    Forwarding(&'static str),
 }
 
 /// The request an instruction belongs to.
@@ -96,6 +121,25 @@ pub struct PendingReturn {
     pub body: serde_json::Value,
     /// The payment's id, or the refund's.
     pub payment_id: Uuid,
+    /// Whether it may be handed on (it was not handed here, and the rail's
+    /// own word was kept with it).
+    pub may_hand_on: bool,
+}
+
+/// What an inbox round finds to do.
+#[derive(Debug, Clone, Copy)]
+pub struct Due {
+    pub pending: bool,
+    pub to_hand_on: bool,
+}
+
+/// How a message waiting to be handed on ended.
+#[derive(Debug, Clone, Copy)]
+pub enum HandOnEnd<'a> {
+    /// Taken by this region.
+    To(&'a str),
+    /// Kept for a person, for this reason.
+    Kept(&'a str),
 }
 
 /// The instruction a message names, as this ledger holds it.
@@ -115,6 +159,9 @@ struct Named {
 
 /// Why a message about a voided copy is kept for a person.
 pub const LEFTOVER: &str = "this ledger holds a leftover; the payment's live copy is in another region";
+
+/// Why a message naming no instruction of this ledger is kept.
+pub const NOT_HERE: &str = "no instruction of this ledger has this key";
 
 /// The steps whose instruction a rail may return: a payment's (`ext2`) and
 /// a refund's.
@@ -162,40 +209,26 @@ impl Named {
 
 impl Ledger {
     /// Records `message` once: a message id seen before is a duplicate.
-    pub async fn receive(&self, message: &Message) -> Result<Arrival, LedgerError> {
-        let named: Option<Named> = match message.derived_key {
-            None => None,
-            Some(key) => {
-                // Matched against what the call's instruction carried (for
-                // every operation); a call recorded before that was kept
-                // is matched against its payment, as it was then.
-                sqlx::query_as(
-                    "SELECT c.client_id, c.idem_key, c.request_created_at, c.step, c.outcome, r.payment_id, s.status,
-                            coalesce((c.sent->>'amount_minor')::bigint, p.amount_minor) AS amount_minor,
-                            coalesce(c.sent->>'currency', p.currency) AS currency,
-                            coalesce(c.sent->>'end_to_end_id', p.end_to_end_id) AS end_to_end_id
-                       FROM external_calls c
-                       JOIN requests r ON (r.client_id, r.idem_key, r.created_at)
-                                        = (c.client_id, c.idem_key, c.request_created_at)
-                       LEFT JOIN ledger_subjects s ON s.id = r.payment_id
-                       LEFT JOIN payments p ON p.id = r.payment_id AND c.sent IS NULL
-                      WHERE c.derived_key = $1",
-                )
-                .bind(key)
-                .fetch_optional(&self.pool)
-                .await?
-            }
+    /// One this ledger cannot take (no instruction of its has the key, or
+    /// it holds a leftover) is kept to be handed on if `may_hand_on`.
+    pub async fn receive(&self, message: &Message, may_hand_on: bool) -> Result<Arrival, LedgerError> {
+        let named = self.named(message).await?;
+        let arrival = match named.map_or(Arrival::Unknown(NOT_HERE), |named| named.arrival(message)) {
+            Arrival::Unknown(why) if may_hand_on && [NOT_HERE, LEFTOVER].contains(&why) => Arrival::Forwarding(why),
+            arrival => arrival,
         };
-        let arrival = named
-            .map_or(Arrival::Unknown("no instruction of this ledger has this key"), |named| named.arrival(message));
         let (state, note) = match &arrival {
             Arrival::Pending(_) => ("pending", None),
             Arrival::Ignored => ("ignored", Some("the outcome was recorded already")),
             Arrival::Unknown(why) => ("unknown", Some(*why)),
+            Arrival::Forwarding(why) => ("forwarding", Some(*why)),
             Arrival::Duplicate | Arrival::Conflicting => unreachable!("decided below"),
         };
         let kept = sqlx::query(
-            "INSERT INTO inbox (rail, message_id, kind, derived_key, body, state, note) VALUES ($1, $2, $3, $4, $5, $6, $7)
+            "INSERT INTO inbox (rail, message_id, kind, derived_key, body, state, note, raw, signed_at, signature,
+                                handed_from, forwarding_since, hand_after)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,
+                     CASE WHEN $6 = 'forwarding' THEN now() END, CASE WHEN $6 = 'forwarding' THEN now() END)
              ON CONFLICT (rail, message_id) DO NOTHING",
         )
         .bind(&message.rail)
@@ -205,6 +238,10 @@ impl Ledger {
         .bind(&message.body)
         .bind(state)
         .bind(note)
+        .bind(&message.signed.raw)
+        .bind(message.signed.at)
+        .bind(&message.signed.signature)
+        .bind(&message.handed_from)
         .execute(&self.pool)
         .await?;
         if kept.rows_affected() == 1 {
@@ -217,6 +254,38 @@ impl Ledger {
                 .fetch_optional(&self.pool)
                 .await?;
         Ok(if first.as_ref() == Some(&message.body) { Arrival::Duplicate } else { Arrival::Conflicting })
+    }
+
+    /// The instruction `message` names, as this ledger holds it: matched
+    /// against what the call's instruction carried (for every operation);
+    /// a call recorded before that was kept is matched against its
+    /// payment, as it was then.
+    async fn named(&self, message: &Message) -> Result<Option<Named>, LedgerError> {
+        let Some(key) = message.derived_key else { return Ok(None) };
+        Ok(sqlx::query_as(
+            "SELECT c.client_id, c.idem_key, c.request_created_at, c.step, c.outcome, r.payment_id, s.status,
+                    coalesce((c.sent->>'amount_minor')::bigint, p.amount_minor) AS amount_minor,
+                    coalesce(c.sent->>'currency', p.currency) AS currency,
+                    coalesce(c.sent->>'end_to_end_id', p.end_to_end_id) AS end_to_end_id
+               FROM external_calls c
+               JOIN requests r ON (r.client_id, r.idem_key, r.created_at)
+                                = (c.client_id, c.idem_key, c.request_created_at)
+               LEFT JOIN ledger_subjects s ON s.id = r.payment_id
+               LEFT JOIN payments p ON p.id = r.payment_id AND c.sent IS NULL
+              WHERE c.derived_key = $1",
+        )
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// The request whose instruction `message` names, if this ledger holds
+    /// a copy of it that is not a leftover it voided (whether the request
+    /// moved away since is the key store's to say).
+    pub async fn live_request_of(&self, message: &Message) -> Result<Option<InFlight>, LedgerError> {
+        Ok(self.named(message).await?.filter(|named| named.status.as_deref() != Some("voided")).and_then(|named| {
+            InFlight::of(named.client_id, &named.idem_key, named.request_created_at, named.payment_id)
+        }))
     }
 
     /// The verdict a notification brought for the instruction sent under
@@ -234,12 +303,93 @@ impl Ledger {
         .await?)
     }
 
-    /// Whether any message is pending (`inbox_pending`, a partial index of
-    /// pending messages only).
-    pub async fn inbox_pending(&self) -> Result<bool, LedgerError> {
-        Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE state = 'pending')")
-            .fetch_one(&self.pool)
-            .await?)
+    /// Whether any message is pending, and whether any waits to be handed
+    /// on now (one statement, read off two partial indexes, `inbox_pending`
+    /// and `inbox_forwarding`).
+    pub async fn inbox_due(&self) -> Result<Due, LedgerError> {
+        let (pending, to_hand_on) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM inbox WHERE state = 'pending'),
+                    EXISTS (SELECT 1 FROM inbox WHERE state = 'forwarding' AND hand_after <= now())",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(Due { pending, to_hand_on })
+    }
+
+    /// Up to `limit` messages due to be handed on, each put off by `again`
+    /// as it is taken (so two workers never offer one at once, and one
+    /// that no region took yet is offered again after that).
+    pub async fn to_hand_on(&self, limit: i64, again: std::time::Duration) -> Result<Vec<Waiting>, LedgerError> {
+        type Row = (String, String, Option<Vec<u8>>, Option<i64>, Option<String>, Option<OffsetDateTime>);
+        let rows: Vec<Row> = sqlx::query_as(
+            "UPDATE inbox SET hand_after = now() + make_interval(secs => $2)
+              WHERE (rail, message_id) IN (SELECT rail, message_id FROM inbox
+                                            WHERE state = 'forwarding' AND hand_after <= now()
+                                            ORDER BY hand_after LIMIT $1 FOR UPDATE SKIP LOCKED)
+              RETURNING rail, message_id, raw, signed_at, signature, forwarding_since",
+        )
+        .bind(limit)
+        .bind(again.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(rail, message_id, raw, at, signature, since)| Waiting {
+                rail,
+                message_id,
+                signed: Signed {
+                    raw: raw.unwrap_or_default(),
+                    at: at.unwrap_or_default(),
+                    signature: signature.unwrap_or_default(),
+                },
+                since: since.map_or(Millis::now(), millis),
+            })
+            .collect())
+    }
+
+    /// Ends a message waiting to be handed on: taken by `region`
+    /// (`forwarded`), or kept for a person (`unknown`) because `why`.
+    pub async fn hand_on_ended(&self, rail: &str, message_id: &str, ended: HandOnEnd<'_>) -> Result<(), LedgerError> {
+        let (state, note) = match ended {
+            HandOnEnd::To(region) => ("forwarded", format!("handed to region {region}")),
+            HandOnEnd::Kept(why) => ("unknown", why.to_owned()),
+        };
+        sqlx::query(
+            "UPDATE inbox SET state = $3, note = $4, applied_at = now()
+              WHERE rail = $1 AND message_id = $2 AND state = 'forwarding'",
+        )
+        .bind(rail)
+        .bind(message_id)
+        .bind(state)
+        .bind(note)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Hands on the verdicts waiting here for `request`, which moved to
+    /// another region (those handed here stay, and end as any verdict
+    /// nobody takes up).
+    pub async fn hand_on_verdicts(&self, request: &InFlight, why: &str) -> Result<u64, LedgerError> {
+        let moved = sqlx::query(
+            "UPDATE inbox i SET state = 'forwarding', note = $4, forwarding_since = now(), hand_after = now()
+               FROM external_calls c
+              WHERE c.derived_key = i.derived_key AND i.state = 'pending' AND i.kind <> 'returned'
+                AND i.handed_from IS NULL AND i.raw IS NOT NULL
+                AND (c.client_id, c.idem_key, c.request_created_at) = ($1, $2, $3)",
+        )
+        .bind(request.key.client.as_uuid())
+        .bind(request.key.key.as_str())
+        .bind(super::timestamp(request.created_at))
+        .bind(why)
+        .execute(&self.pool)
+        .await?;
+        Ok(moved.rows_affected())
+    }
+
+    /// How many messages wait to be handed to another region.
+    pub async fn waiting_to_hand_on(&self) -> Result<i64, LedgerError> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM inbox WHERE state = 'forwarding'").fetch_one(&self.pool).await?)
     }
 
     /// Ends verdicts that wait for an outcome recorded meanwhile (they
@@ -346,9 +496,10 @@ impl Ledger {
     /// can take effect, or be found to have none), oldest first. Those of
     /// requests still being worked wait, without holding up the others.
     pub async fn pending_returns(&self, limit: i64) -> Result<Vec<PendingReturn>, LedgerError> {
-        type Row = (String, String, Uuid, String, OffsetDateTime, serde_json::Value, Uuid);
+        type Row = (String, String, Uuid, String, OffsetDateTime, serde_json::Value, Uuid, bool);
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT i.rail, i.message_id, c.client_id, c.idem_key, c.request_created_at, i.body, r.payment_id
+            "SELECT i.rail, i.message_id, c.client_id, c.idem_key, c.request_created_at, i.body, r.payment_id,
+                    i.handed_from IS NULL AND i.raw IS NOT NULL AS may_hand_on
                FROM inbox i
                JOIN external_calls c ON c.derived_key = i.derived_key
                JOIN requests r ON (r.client_id, r.idem_key, r.created_at) = (c.client_id, c.idem_key, c.request_created_at)
@@ -361,9 +512,10 @@ impl Ledger {
         .await?;
         Ok(rows
             .into_iter()
-            .filter_map(|(rail, message_id, client, key, created_at, body, payment_id)| {
+            .filter_map(|(rail, message_id, client, key, created_at, body, payment_id, may_hand_on)| {
                 let key = ScopedKey::new(ClientId::new(client), IdempotencyKey::parse(&key).ok()?);
-                Some(PendingReturn { rail, message_id, key, created_at: millis(created_at), body, payment_id })
+                let created_at = millis(created_at);
+                Some(PendingReturn { rail, message_id, key, created_at, body, payment_id, may_hand_on })
             })
             .collect())
     }
@@ -399,6 +551,26 @@ impl Ledger {
         }
         Ok(Some(tx))
     }
+}
+
+/// Puts a message to be handed on inside the phase that found it cannot
+/// take effect here, because `why`.
+pub async fn hand_on_later(
+    tx: &mut Transaction<'static, Postgres>,
+    rail: &str,
+    message_id: &str,
+    why: &str,
+) -> Result<(), LedgerError> {
+    sqlx::query(
+        "UPDATE inbox SET state = 'forwarding', note = $3, forwarding_since = now(), hand_after = now()
+          WHERE rail = $1 AND message_id = $2",
+    )
+    .bind(rail)
+    .bind(message_id)
+    .bind(why)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Ends a message inside the phase that took (or found no) effect.

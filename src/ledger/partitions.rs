@@ -411,7 +411,7 @@ impl Ledger {
             let done = sqlx::query(
                 "DELETE FROM inbox WHERE (rail, message_id) IN
                     (SELECT rail, message_id FROM inbox
-                      WHERE state IN ('applied', 'ignored') AND received_at < now() - make_interval(secs => $1)
+                      WHERE state IN ('applied', 'ignored', 'forwarded') AND received_at < now() - make_interval(secs => $1)
                       LIMIT $2)",
             )
             .bind(plan.keep.as_secs_f64())

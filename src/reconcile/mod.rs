@@ -283,6 +283,7 @@ pub async fn run<K: KeyStore>(
         findings: found.into_iter().map(|f| f.finding).collect(),
         indeterminate: engine.ledger().indeterminate().await?,
         unmatched_notifications: engine.ledger().unmatched().await?,
+        notifications_to_hand_on: engine.ledger().waiting_to_hand_on().await?,
         frozen_payments,
         seconds: started.elapsed().as_secs_f64(),
     })

@@ -75,6 +75,9 @@ pub struct Report {
     /// or of a payment that moved), all of them: for a person to settle
     /// with the rail (keyfence may have lost the payment).
     pub unmatched_notifications: Vec<Unmatched>,
+    /// Rail notifications waiting to be handed to the region holding their
+    /// live copy (another region could not be asked yet).
+    pub notifications_to_hand_on: i64,
     /// Payments a return froze whose return has not taken effect (in the
     /// key table, so every region's run lists them).
     pub frozen_payments: Vec<FrozenPayment>,
@@ -124,6 +127,10 @@ impl Report {
                 kept for a person (naming no instruction of this ledger, or unable to take effect here)\n\
                 # TYPE keyfence_reconcile_notifications_for_a_person gauge\n";
         out += &format!("keyfence_reconcile_notifications_for_a_person {}\n", self.unmatched_notifications.len());
+        out += "# HELP keyfence_reconcile_notifications_to_hand_on Rail notifications the last reconcile run found \
+                waiting to be handed to the region holding their live copy\n\
+                # TYPE keyfence_reconcile_notifications_to_hand_on gauge\n";
+        out += &format!("keyfence_reconcile_notifications_to_hand_on {}\n", self.notifications_to_hand_on);
         out += "# HELP keyfence_reconcile_last_run_timestamp_seconds When the last reconcile run ended (Unix time)\n\
                 # TYPE keyfence_reconcile_last_run_timestamp_seconds gauge\n";
         out += &format!("keyfence_reconcile_last_run_timestamp_seconds {:.3}\n", at.get() as f64 / 1000.0);
@@ -148,6 +155,7 @@ impl Report {
             "findings": self.findings,
             "indeterminate": self.indeterminate,
             "unmatched_notifications": self.unmatched_notifications,
+            "notifications_to_hand_on": self.notifications_to_hand_on,
             "frozen_payments": self.frozen_payments,
         })
     }
@@ -212,6 +220,13 @@ impl Report {
                     n.note.as_deref().unwrap_or("-")
                 );
             }
+        }
+        if self.notifications_to_hand_on > 0 {
+            out += &format!(
+                "rail notifications waiting to be handed to the region holding their live copy (another region \
+                 could not be asked yet): {}\n",
+                self.notifications_to_hand_on
+            );
         }
         if !self.frozen_payments.is_empty() {
             out += &format!(

@@ -227,7 +227,7 @@ async fn idle_rounds_skip_the_joins_they_have_no_use_for() {
     let engine = Engine::new(keys.store.clone(), db.ledger.clone(), Rails::new([]), regions_of(&keys), settings());
     let deliveries = Deliveries::new(db.ledger.pool().clone());
 
-    let ((), inbox) = statements_of(keyfence::inbox::worker::round(&engine)).await;
+    let ((), inbox) = statements_of(keyfence::inbox::worker::round(&engine, &NoOtherRegion)).await;
     assert_eq!(inbox, 1, "statements of an inbox round with nothing pending");
     let (taken, webhooks) = statements_of(deliveries.take(8, Duration::from_secs(30), &[], 2)).await;
     assert!(taken.unwrap().is_empty());
@@ -246,13 +246,22 @@ async fn idle_rounds_skip_the_joins_they_have_no_use_for() {
     .execute(db.ledger.pool())
     .await
     .unwrap();
-    let ((), inbox) = statements_of(keyfence::inbox::worker::round(&engine)).await;
+    let ((), inbox) = statements_of(keyfence::inbox::worker::round(&engine, &NoOtherRegion)).await;
     assert!(inbox > 1, "a round with a message pending reads on ({inbox} statements)");
     let state: String = sqlx::query_scalar("SELECT state FROM inbox WHERE message_id = 'late'")
         .fetch_one(db.ledger.pool())
         .await
         .unwrap();
     assert_eq!(state, "unknown");
+}
+
+/// Hands nothing on (the engine here has no other region to hand to).
+struct NoOtherRegion;
+
+impl keyfence::inbox::hand::HandOn for NoOtherRegion {
+    async fn hand_on(&self, _: &keyfence::ledger::inbox::Waiting) -> keyfence::inbox::hand::Handed {
+        keyfence::inbox::hand::Handed::Nowhere
+    }
 }
 
 fn settings() -> EngineSettings {

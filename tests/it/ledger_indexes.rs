@@ -52,9 +52,16 @@ async fn a_notifications_instruction_and_the_calls_in_doubt_are_found_by_index()
     let before = rows_read(&db).await;
     let listed = lookups.indeterminate().await.unwrap();
     assert_eq!(listed.iter().map(|c| c.derived_key).collect::<Vec<_>>(), [in_doubt]);
-    let message =
-        Message { rail: "e2".into(), id: "m-1".into(), kind: "applied", derived_key: Some(settled), body: json!({}) };
-    let arrival = lookups.receive(&message).await.unwrap();
+    let message = Message {
+        rail: "e2".into(),
+        id: "m-1".into(),
+        kind: "applied",
+        derived_key: Some(settled),
+        body: json!({}),
+        signed: Default::default(),
+        handed_from: None,
+    };
+    let arrival = lookups.receive(&message, false).await.unwrap();
     assert_ne!(arrival, Arrival::Unknown("no instruction of this ledger has this key"), "the instruction is found");
     lookups.pool().close().await;
 

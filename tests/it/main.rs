@@ -30,6 +30,7 @@ mod front_door_faults;
 mod harness;
 mod hostile;
 mod inbox;
+mod inbox_regions;
 mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
