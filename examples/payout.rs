@@ -221,10 +221,17 @@ async fn pay_out_once(keys: &DynamoKeyStore, ledger: &Ledger) -> anyhow::Result<
         })
         .collect();
     ensure!(worked.len() == 1, "exactly one of two callers at once works the payout: {a:?} / {b:?}");
-    for answer in [&a, &b] {
+    // A caller told the payout is in flight retries, as a client would,
+    // until its answer is final: the same bytes as the one that worked it.
+    for (answer, engine) in [(a.clone(), &first), (b.clone(), &second)] {
+        let mut answer = answer;
+        for _ in 0..100 {
+            let Answer::InFlight { retry_after } = answer else { break };
+            tokio::time::sleep(retry_after.min(std::time::Duration::from_millis(200))).await;
+            answer = engine.submit(submission()).await?;
+        }
         match answer {
-            Answer::Final { response, .. } => ensure!(response == worked[0], "both callers get the same bytes"),
-            Answer::InFlight { .. } => {}
+            Answer::Final { response, .. } => ensure!(response == *worked[0], "both callers get the same bytes"),
             other => anyhow::bail!("a caller was answered {other:?}"),
         }
     }
@@ -239,6 +246,10 @@ async fn pay_out_once(keys: &DynamoKeyStore, ledger: &Ledger) -> anyhow::Result<
     let statement: Vec<Applied> = reqwest::get(format!("{rail}/v1/statement")).await?.json().await?;
     let sent: Vec<&Applied> = statement.iter().filter(|a| a.end_to_end_id == payout.reference).collect();
     ensure!(sent.len() == 1, "the rail saw {} instructions for one payout", sent.len());
+    // Sends, not distinct keys: a second send under the key counts too.
+    let sends: std::collections::BTreeMap<String, u32> = reqwest::get(format!("{rail}/v1/sends")).await?.json().await?;
+    let under_key = sends.get(&sent[0].idempotency_key).copied().unwrap_or(0);
+    ensure!(under_key == 1, "the rail took {under_key} sends under the payout's key");
     let id: uuid::Uuid = serde_json::from_slice::<serde_json::Value>(&replayed.body)?["id"]
         .as_str()
         .context("the answer names the payout")?

@@ -63,6 +63,7 @@ mod regions;
 mod rotation;
 #[cfg(feature = "failpoints")]
 mod seams;
+mod seeds;
 mod store_errors;
 mod takeovers;
 mod telemetry;

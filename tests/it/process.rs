@@ -30,6 +30,8 @@ pub fn keyfence_command(app: &TestApp, subcommand: &str) -> Command {
         .env("KEYFENCE_WEBHOOKS_ALLOW_PRIVATE", "1")
         .env("KEYFENCE_REGION", "test-1")
         .env("KEYFENCE_REGION_SECRET", crate::app::REGION_SECRET)
+        .env("KEYFENCE_E1_NOTIFY_SECRET", crate::app::RAIL_NOTIFY_SECRET)
+        .env("KEYFENCE_E2_NOTIFY_SECRET", crate::app::RAIL_NOTIFY_SECRET)
         .env("KEYFENCE_E1_URL", &app.e1.url)
         .env("KEYFENCE_E2_URL", &app.e2.url)
         .env("KEYFENCE_LEASE_MS", LEASE_MS.to_string())

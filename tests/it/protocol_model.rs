@@ -51,7 +51,6 @@ use keyfence::ledger::views::LedgerView;
 use keyfence::reconcile::{Class, Orphan, Thresholds, classify, classify_orphan, owned_throughout};
 use keyfence::regions::{Change, RegionState, Registry};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 
 use crate::harness::fresh_key;
 
@@ -798,16 +797,14 @@ impl World {
     }
 }
 
+/// Seeds kept as regression cases (see [`crate::seeds`]).
+const KEPT: [u64; 0] = [];
+
 /// Runs `cases` random interleavings of `actions` over `regions` regions.
 fn run(regions: usize, cases: u32, tail: fn(&mut World)) {
-    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    let result = runner.run(&prop::collection::vec(action(regions), 0..60), |actions| {
-        check(regions, &actions, tail);
-        Ok(())
+    crate::seeds::run(cases, &KEPT, prop::collection::vec(action(regions), 0..60), |actions| {
+        check(regions, &actions, tail)
     });
-    if let Err(failure) = result {
-        panic!("{failure}");
-    }
 }
 
 /// Plays `actions`, finishes the request, runs `tail`, and checks each

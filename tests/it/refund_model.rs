@@ -32,7 +32,6 @@ use keyfence::keystore::{
 };
 use keyfence::operations::RefundOperation;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use uuid::Uuid;
 
 const TOTAL: i64 = 1000;
@@ -349,16 +348,12 @@ fn check(actions: &[Action]) {
     world.finish();
 }
 
+/// Seeds kept as regression cases (see [`crate::seeds`]).
+const KEPT: [u64; 0] = [];
+
 #[test]
 fn refunds_in_two_regions_returns_and_sweeps_never_give_back_more_than_was_paid() {
-    let mut runner = TestRunner::new(Config { cases: 2048, failure_persistence: None, ..Config::default() });
-    let result = runner.run(&prop::collection::vec(action(), 0..50), |actions| {
-        check(&actions);
-        Ok(())
-    });
-    if let Err(failure) = result {
-        panic!("{failure}");
-    }
+    crate::seeds::run(2048, &KEPT, prop::collection::vec(action(), 0..50), |actions| check(&actions));
 }
 
 fn step(refund: usize) -> Action {

@@ -119,18 +119,37 @@ async fn rails(stack: &Stack, pools: &[PgPool; 2], broken: &mut Vec<String>) {
     }
 }
 
-/// Every return asked arrived; each left nothing of its payment to refund,
-/// and no refund of the payment began after the freeze.
+/// Every return asked arrived (the rails notify region A); A handed on
+/// what it could not take, and no return was taken by both regions; each
+/// left nothing of its payment to refund, and no refund of the payment
+/// began after the freeze.
 async fn returns(stack: &Stack, pools: &[PgPool; 2], done: &Done, broken: &mut Vec<String>) {
-    let received: Vec<(Uuid, String, Option<Uuid>)> = sqlx::query_as(
-        "SELECT i.derived_key, i.state, p.id FROM inbox i
-           LEFT JOIN external_calls c ON c.derived_key = i.derived_key
-           LEFT JOIN payments p USING (client_id, idem_key, request_created_at)
-          WHERE i.kind = 'returned'",
-    )
-    .fetch_all(&pools[0])
-    .await
-    .unwrap();
+    let mut received: Vec<(Uuid, String, Option<Uuid>)> = Vec::new();
+    let mut taken: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+    for (region, pool) in [Region::A, Region::B].into_iter().zip(pools) {
+        let rows: Vec<(String, Uuid, String, Option<Uuid>)> = sqlx::query_as(
+            "SELECT i.message_id, i.derived_key, i.state, p.id FROM inbox i
+               LEFT JOIN external_calls c ON c.derived_key = i.derived_key
+               LEFT JOIN payments p USING (client_id, idem_key, request_created_at)
+              WHERE i.kind = 'returned'",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        for (message, key, state, payment) in rows {
+            match state.as_str() {
+                "applied" => taken.entry(message).or_default().push(region.name()),
+                "forwarding" => broken.push(format!("{}: the return of {key} was never handed on", region.name())),
+                _ => {}
+            }
+            if region == Region::A || payment.is_some() {
+                received.push((key, state, payment));
+            }
+        }
+    }
+    for (message, regions) in taken.into_iter().filter(|(_, regions)| regions.len() > 1) {
+        broken.push(format!("return {message} applied in more than one region: {regions:?}"));
+    }
     for asked in &done.returned {
         let asked = Uuid::parse_str(asked).unwrap();
         if !received.iter().any(|(key, _, _)| *key == asked) {

@@ -124,20 +124,24 @@ async fn run(seed: u64, schedule: Duration) {
 }
 
 /// Waits until no key is in flight, no notification is on its way, and no
-/// return waits to be worked (60 s at most).
+/// return waits to be worked or handed on (60 s at most).
 async fn quiesce(stack: &Stack, journal: &Journal) {
     let deadline = Instant::now() + Duration::from_secs(60);
-    let [ledger, _] = stack.fresh_pools();
+    let ledgers = stack.fresh_pools();
     while Instant::now() < deadline {
         let in_flight = stack.in_flight().await;
         let posting = stack.app.e1.notifications().await.outstanding + stack.app.e2.notifications().await.outstanding;
-        // Verdicts about requests another region finished wait here for an
-        // hour; returns must have been worked.
-        let waiting: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM inbox WHERE state = 'pending' AND kind = 'returned'")
-                .fetch_one(&ledger)
-                .await
-                .unwrap_or(1);
+        // Verdicts about requests another region finished wait for an hour;
+        // returns must have been worked, or handed on.
+        let mut waiting = 0;
+        for ledger in &ledgers {
+            waiting += sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM inbox WHERE kind = 'returned' AND state IN ('pending', 'forwarding')",
+            )
+            .fetch_one(ledger)
+            .await
+            .unwrap_or(1);
+        }
         if in_flight == 0 && posting == 0 && waiting == 0 {
             journal.note("quiet: no key in flight, no notification on its way, no return waiting");
             return;

@@ -3,8 +3,11 @@
 //! on that schedule: `kill -9` of a serve process (started again a moment
 //! later), SIGSTOP past its lease and SIGCONT (a zombie owner), rail faults
 //! for a while (503s, answers later than the timeout, answers held back,
-//! notifications late and twice), PostgreSQL sessions terminated, and a
-//! failover of region A with its restore and reconcile, in
+//! notifications late and twice), PostgreSQL sessions terminated, the key
+//! table failing for a while (the bundled emulator's fault switch:
+//! throttled, failing and unavailable operations, a write applied whose
+//! reply is lost; dynalite has no switch, and a run there skips them), and
+//! a failover of region A with its restore and reconcile, in
 //! docs/failover.md's order.
 
 use std::time::Duration;
@@ -21,6 +24,7 @@ pub enum Fault {
     Pause { instance: usize, paused_for: Duration },
     Rail { rail: &'static str, faults: Value, lasting: Duration },
     Backends,
+    KeyStore { faults: Vec<Value>, lasting: Duration },
     Failover { lasting: Duration },
 }
 
@@ -53,7 +57,17 @@ pub fn plan(seed: u64, schedule: Duration) -> Vec<(Duration, Fault)> {
                     None => Fault::Backends,
                 }
             }
-            8 => Fault::Backends,
+            8 if rng.bool() => Fault::Backends,
+            8 => {
+                let (count, dropped) = (rng.u32(2..8), ["UpdateItem", "PutItem"][rng.usize(0..2)]);
+                let faults = vec![
+                    json!({ "operation": "UpdateItem", "count": count, "action": "error", "code": "ThrottlingException" }),
+                    json!({ "operation": "PutItem", "count": count, "action": "error", "code": "InternalServerError" }),
+                    json!({ "operation": "GetItem", "count": count, "action": "error", "code": "ServiceUnavailable" }),
+                    json!({ "operation": dropped, "count": 1, "action": "drop_reply", "delay_ms": 1500 }),
+                ];
+                Fault::KeyStore { faults, lasting: ms(&mut rng, 1000..4000) }
+            }
             _ if at >= failover_over => {
                 let lasting = ms(&mut rng, 3000..8000);
                 failover_over = at + lasting + Duration::from_secs(10);
@@ -113,6 +127,18 @@ async fn apply(stack: &Stack, fault: Fault, journal: &Journal) -> bool {
         Fault::Backends => {
             let ended = stack.terminate_backends().await;
             journal.note(format!("fault: terminated {ended} PostgreSQL sessions"));
+        }
+        Fault::KeyStore { faults, lasting } => {
+            for fault in &faults {
+                if !stack.app.keys.try_arm(fault.clone()).await {
+                    journal.note("fault skipped: the key table's faults (this emulator has no fault switch)");
+                    return false;
+                }
+            }
+            journal.note(format!("fault: the key table fails: {}", Value::Array(faults)));
+            tokio::time::sleep(lasting).await;
+            stack.app.keys.disarm().await;
+            journal.note("fault over: the key table's faults disarmed");
         }
         Fault::Failover { lasting } => failover(stack, lasting, journal).await,
     }

@@ -191,12 +191,14 @@ impl Stack {
         (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    /// Undoes every fault in force: rails cleared, paused instances
-    /// continued, dead ones started again, region A active (a restore cut
-    /// short by ended sessions is made again).
+    /// Undoes every fault in force: rails cleared, the key table's faults
+    /// disarmed, paused instances continued, dead ones started again,
+    /// region A active (a restore cut short by ended sessions is made
+    /// again).
     pub async fn heal(&self, journal: &Journal) {
         self.app.e1.clear_faults().await;
         self.app.e2.clear_faults().await;
+        self.app.keys.disarm().await;
         let ledger = self.app.db.url.as_str();
         let restore = ["regions", "restore", "--region", "test-1", "--reason", "healed", "--ledger", ledger];
         let (code, said) = self.operator(Region::B, &restore).await;
