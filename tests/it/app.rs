@@ -322,6 +322,21 @@ impl TestApp {
         self.try_pay_at(&self.url, api_key, key, body).await.expect("the service answers")
     }
 
+    /// Waits until a request in this app's ledger has reached recovery
+    /// point `point` (its phase committed): where a race test acts, rather
+    /// than after a sleep that hopes the request got there.
+    pub async fn reaches(&self, point: &str) {
+        crate::harness::eventually(&format!("a request at {point}"), async || {
+            let at: i64 = sqlx::query_scalar("SELECT count(*) FROM requests WHERE recovery_point = $1")
+                .bind(point)
+                .fetch_one(self.db.ledger.pool())
+                .await
+                .unwrap();
+            at > 0
+        })
+        .await;
+    }
+
     /// POSTs a payment to the front door at `url`; an error if no answer came.
     pub async fn try_pay_at(
         &self,

@@ -4,8 +4,6 @@
 //! work (it is fenced out and answers 409), never a second payment: the
 //! fences decide, not the clocks.
 
-use std::time::Duration;
-
 use keyfence::domain::{Fence, IdempotencyKey, ScopedKey};
 use keyfence::keystore::{KeyState, KeyStore};
 use reqwest::StatusCode;
@@ -33,7 +31,7 @@ async fn an_instance_whose_clock_runs_a_lease_ahead_pays_nothing_twice() {
     let body = payment("E2E-SKEW");
     // The live owner: this app, with a true clock and a 10 s lease, at E1.
     let live = app.pay_in_background(&app.url, "skew-1", &body);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    app.reaches("EXT1_SENT").await;
     let taken = app.try_pay_at(&skewed.url, &app.api_key, "skew-1", &body).await.unwrap();
     assert_eq!(taken.status(), StatusCode::CREATED, "it saw the lease as over and took the request over");
 

@@ -164,6 +164,26 @@ pub fn claim_of(key: &ScopedKey, now: Millis, lease: Duration) -> Claim {
 }
 
 /// Waits up to 20 s for `check` to hold.
+/// Waits until `sessions` sessions of `pool`'s database wait for a lock in
+/// a statement containing `statement` (10 s at most): the observed state a
+/// race test needs, rather than a sleep that hopes for it.
+pub async fn waiting_for_lock(pool: &sqlx::PgPool, statement: &str, sessions: i64) {
+    let what = format!("{sessions} session(s) waiting for a lock in `{statement}`");
+    eventually(&what, async || {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()
+                AND strpos(query, $1) > 0",
+        )
+        .bind(statement)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        waiting >= sessions
+    })
+    .await;
+}
+
 pub async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !check().await {

@@ -11,7 +11,7 @@ use keyfence::rail::{Applied, Verdict};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::harness::{TestLedger, fresh_key};
+use crate::harness::{TestLedger, fresh_key, waiting_for_lock};
 
 const H1_DONE: RecoveryPoint = RecoveryPoint::named("H1_DONE");
 const EXT1_SENT: RecoveryPoint = RecoveryPoint::named("EXT1_SENT");
@@ -565,8 +565,10 @@ async fn a_phase_queued_behind_a_fence_change_outlasts_a_statement_timeout_and_a
     let stalled =
         db.ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
     let change = tokio::spawn(async move { changes.set_region_fence(true, "r-1", 1, "drill").await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    waiting_for_lock(db.ledger.pool(), "pg_advisory_xact_lock(", 1).await;
     let cancel = async {
+        // Past the statement timeout, the queued phase still waits.
+        waiting_for_lock(db.ledger.pool(), "pg_advisory_xact_lock_shared", 1).await;
         tokio::time::sleep(Duration::from_millis(400)).await;
         sqlx::query_scalar::<_, bool>(
             "SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity
@@ -592,7 +594,6 @@ async fn a_phase_queued_behind_a_fence_change_outlasts_a_statement_timeout_and_a
 /// the change left it: it commits nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_phase_queued_behind_a_failover_reads_the_fence_it_left_whatever_the_isolation() {
-    use std::time::Duration;
     let db = TestLedger::new().await;
     set_on_database(&db, "default_transaction_isolation = ''repeatable read''").await;
     let ledger = Ledger::connect(&db.settings).await.unwrap();
@@ -600,14 +601,14 @@ async fn a_phase_queued_behind_a_failover_reads_the_fence_it_left_whatever_the_i
         ledger.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await.unwrap();
     let changing = ledger.clone();
     let change = tokio::spawn(async move { changing.set_region_fence(true, "r-1", 1, "failover").await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    waiting_for_lock(ledger.pool(), "pg_advisory_xact_lock(", 1).await;
     let queuing = ledger.clone();
     let queued = tokio::spawn(async move {
         let phase =
             queuing.begin_phase(&request(), Fence::FIRST, &RecoveryPoint::STARTED, &H1_DONE, &[&H1_DONE]).await?;
         phase.commit().await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    waiting_for_lock(ledger.pool(), "pg_advisory_xact_lock_shared", 1).await;
     stalled.commit().await.unwrap();
     assert!(change.await.unwrap().is_ok(), "the change went through once the phase in flight ended");
     let after = queued.await.unwrap();
@@ -720,7 +721,7 @@ async fn a_bind_that_waited_for_another_reports_the_winner() {
     let ledger = db.ledger.clone();
     let second = tokio::spawn(async move { ledger.bind_region_fence("r-2").await });
     // The second bind is waiting for the row the first holds.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    waiting_for_lock(db.ledger.pool(), "UPDATE region_fence SET region", 1).await;
     assert!(!second.is_finished(), "the second bind waits for the first");
     first.commit().await.unwrap();
     let fence = second.await.unwrap().unwrap();

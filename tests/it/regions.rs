@@ -93,7 +93,7 @@ async fn a_fenced_ledger_commits_nothing_more_and_another_region_finishes() {
     app.e1.set_faults(serde_json::json!({ "latency_ms": 600 })).await;
     // A's payment is at E1 when the SRE fences A's ledger.
     let in_a = app.pay_in_background(&app.url, "fenced-1", &body);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    app.reaches("EXT1_SENT").await;
     regions::declare(&store(&app), Some(&app.db.ledger), "test-1", RegionState::Failed, "test", "drill").await.unwrap();
     let answer = in_a.await.unwrap().unwrap();
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE, "A stopped at its next phase");
@@ -267,7 +267,7 @@ async fn a_request_in_flight_when_its_region_fails_commits_no_further_phase() {
             .await;
     app.e1.set_faults(serde_json::json!({ "latency_ms": 1500 })).await;
     let in_flight = app.pay_in_background(&app.url, "mid-flight-1", &payment("E2E-MID-FLIGHT"));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    app.reaches("EXT1_SENT").await;
     // The registry only: this region's own instance notices within a second.
     regions::declare(&store(&app), None, "test-1", RegionState::Failed, "test", "drill").await.unwrap();
 

@@ -210,21 +210,14 @@ async fn ask_again(stack: &Stack, rng: &mut fastrand::Rng, request: &Request, do
     }
 }
 
-/// Has the rail return the payment `end_to_end_id` if region A's ledger
-/// knows its instruction (the rails notify A alone); whether it asked.
+/// Has the rail return the payment `end_to_end_id`, whichever region sent
+/// it (the rails notify region A alone, which hands on what is B's);
+/// whether it asked.
 async fn ask_return(stack: &Stack, end_to_end_id: &str, amount: i64, done: &mut Done, journal: &Journal) -> bool {
     let statement = stack.app.e2.statement().await;
     let Some(applied) = statement.iter().find(|a| a.end_to_end_id == end_to_end_id && a.amount_minor == amount) else {
         return false;
     };
-    let known: i64 = sqlx::query_scalar("SELECT count(*) FROM external_calls WHERE derived_key = $1::uuid")
-        .bind(&applied.idempotency_key)
-        .fetch_one(stack.app.db.ledger.pool())
-        .await
-        .unwrap_or(0);
-    if known == 0 {
-        return false;
-    }
     let url = format!("{}/v1/returns", stack.app.e2.url);
     let asked = stack.app.http.put(url).json(&json!({ "idempotency_key": applied.idempotency_key })).send().await;
     let returned = asked.is_ok_and(|r| r.status().is_success());
