@@ -15,7 +15,10 @@ ALTER TABLE inbox
     -- Whether this region received it from another (never handed on again).
     ADD COLUMN handed_from text,
     ADD COLUMN forwarding_since timestamptz,
-    ADD COLUMN hand_after timestamptz;
+    ADD COLUMN hand_after timestamptz,
+    -- Set while, at the last offer, some region could not be asked
+    -- (unreachable, declared failed, an answer not to be believed).
+    ADD COLUMN unanswered_at timestamptz;
 
 ALTER TABLE inbox DROP CONSTRAINT inbox_state_check;
 ALTER TABLE inbox ADD CONSTRAINT inbox_state_check

@@ -1,8 +1,9 @@
 //! `keyfence inbox settle`: a person ends a rail notification the region
 //! kept for them (it named no instruction of the ledger, or could not take
-//! effect here: a return overlapping refunds, or of a payment that moved),
-//! once they have settled it with the rail, saying what they did. The
-//! reconciler lists such messages, and alerts on them, until then.
+//! effect here: a return overlapping refunds), or one still waiting to be
+//! handed to another region (which cannot be asked), once they have
+//! settled it with the rail, saying what they did. The reconciler lists
+//! such messages, and alerts on them, until then.
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -11,7 +12,7 @@ use keyfence::ledger::Ledger;
 
 #[derive(Subcommand)]
 pub enum InboxCommand {
-    /// End a notification kept for a person, once settled with the rail.
+    /// End a notification kept for a person (or waiting to be handed on), once settled with the rail.
     Settle(SettleArgs),
 }
 

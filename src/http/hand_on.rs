@@ -54,10 +54,11 @@ impl HandOn for PeerInboxes {
         let mut not_yet = false;
         for (region, url) in others(&registry, &self.me) {
             match self.peers.post(asker, region, url, &path, &[(HANDED, &digest)], posted).await {
-                Ok(StatusCode::OK) => return Handed::To(region.to_owned()),
-                Ok(StatusCode::CONFLICT) => return Handed::Conflicting(region.to_owned()),
-                Ok(StatusCode::NOT_FOUND) => {}
-                Ok(status) => {
+                Ok((StatusCode::OK, _)) => return Handed::To(region.to_owned()),
+                // Only the inbox's own refusal, not any 409 on the way.
+                Ok((StatusCode::CONFLICT, body)) if refused(&body) => return Handed::Conflicting(region.to_owned()),
+                Ok((StatusCode::NOT_FOUND, _)) => {}
+                Ok((status, _)) => {
                     tracing::warn!(region, %status, id = waiting.message_id, "another region could not take a notification yet");
                     not_yet = true;
                 }
@@ -66,4 +67,10 @@ impl HandOn for PeerInboxes {
         }
         if not_yet { Handed::NotYet } else { Handed::Nowhere }
     }
+}
+
+/// Whether an answer is the inbox's refusal of another message under an
+/// id it holds (`{"received": false}`).
+fn refused(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|answer| answer["received"] == false)
 }

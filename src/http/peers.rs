@@ -168,8 +168,9 @@ impl Peers {
     }
 
     /// Sends `posted` (a body and its headers) to `region`'s `path`,
-    /// signed as this region; how the region answered, if it is to be
-    /// believed (signed by the region, for this request, within size).
+    /// signed as this region; how the region answered (status and body),
+    /// if it is to be believed (signed by the region, for this request,
+    /// within size).
     pub async fn post(
         &self,
         asker: Asker<'_>,
@@ -178,8 +179,8 @@ impl Peers {
         path: &str,
         query: &[(&str, &str)],
         posted: Posted<'_>,
-    ) -> Result<StatusCode, ()> {
-        self.exchange(asker, region, base, path, query, Some(posted)).await.map(|(status, _)| status)
+    ) -> Result<(StatusCode, Vec<u8>), ()> {
+        self.exchange(asker, region, base, path, query, Some(posted)).await
     }
 
     /// A signed GET, or a POST of `posted`: the answer's status and body.

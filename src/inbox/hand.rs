@@ -11,16 +11,25 @@
 //!   region may not have adopted a request yet just after a failover):
 //!   kept for a person (`unknown`), like a message no region can match;
 //! - a region could not be asked (unreachable, declared failed, an answer
-//!   not to be believed): offered again after [`AGAIN_AFTER`], for as long
-//!   as it takes (the reconciler reports what waits, and an alert fires).
+//!   not to be believed): offered again after [`AGAIN_AFTER`], for up to
+//!   [`GIVE_UP_AFTER`] (the reconciler counts what waits so, and an alert
+//!   fires), then kept for a person; a person may settle it before that.
+//!
+//! Before each offer the region asks its own ledger again: a request
+//! adopted here since the message arrived (after a failover) makes the
+//! message this region's to take, and it is taken back instead.
+//! Offers go out together, so one region that does not answer holds a
+//! round up by one timeout, not one per message.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::join_all;
+
 use crate::domain::Millis;
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineError};
 use crate::keystore::KeyStore;
-use crate::ledger::inbox::{HandOnEnd, Waiting};
+use crate::ledger::inbox::{HandOnEnd, NOWHERE, Waiting};
 use crate::regions::Registry;
 
 /// How long a message no region takes is offered before a person gets it.
@@ -28,6 +37,9 @@ pub const OFFERED_FOR: Duration = Duration::from_secs(300);
 
 /// How soon a message not taken yet is offered again.
 pub const AGAIN_AFTER: Duration = Duration::from_secs(10);
+
+/// How long a message is offered while some region cannot be asked.
+pub const GIVE_UP_AFTER: Duration = Duration::from_secs(24 * 3600);
 
 /// Messages handed on per round at most.
 const BATCH: i64 = 16;
@@ -70,24 +82,55 @@ pub async fn hand_on_waiting<K: KeyStore, H: HandOn>(engine: &Engine<K>, hands: 
             return;
         }
     };
-    for one in waiting {
-        let handed = hands.hand_on(&one).await;
-        let offered_long = one.since.plus(OFFERED_FOR) <= Millis::now();
-        let (ended, outcome) = match &handed {
-            Handed::To(region) => (Some(HandOnEnd::To(region)), "handed"),
-            Handed::Nowhere if offered_long => {
-                (Some(HandOnEnd::Kept("no region holds a live copy of its instruction")), "nowhere")
-            }
-            Handed::Conflicting(_) => {
-                (Some(HandOnEnd::Kept("another region holds another message under its id")), "conflicting")
-            }
-            Handed::Nowhere | Handed::NotYet => (None, "not_yet"),
-        };
-        metrics::counter!("keyfence_rail_notifications_handed_total", "outcome" => outcome).increment(1);
-        let Some(ended) = ended else { continue };
-        match engine.ledger().hand_on_ended(&one.rail, &one.message_id, ended).await {
-            Ok(()) => tracing::info!(rail = one.rail, id = one.message_id, ?handed, "a rail notification handed on"),
-            Err(e) => tracing::warn!(id = one.message_id, error = %e, "could not record a hand-on; offering it again"),
+    join_all(waiting.iter().map(|one| offer(engine, hands, one))).await;
+}
+
+/// Takes `one` back here if this region holds its live copy now, or else
+/// offers it to the other regions and records what came of it.
+async fn offer<K: KeyStore, H: HandOn>(engine: &Engine<K>, hands: &H, one: &Waiting) {
+    match take_back(engine, one).await {
+        Ok(true) => {
+            metrics::counter!("keyfence_rail_notifications_handed_total", "outcome" => "here").increment(1);
+            tracing::info!(rail = one.rail, id = one.message_id, "a rail notification to hand on is this region's now");
+            return;
         }
+        Ok(false) => {}
+        Err(e) => tracing::warn!(id = one.message_id, error = %e, "could not tell whether a notification is ours now"),
     }
+    let handed = hands.hand_on(one).await;
+    let now = Millis::now();
+    let (ended, outcome) = match &handed {
+        Handed::To(region) => (Some(HandOnEnd::To(region)), "handed"),
+        Handed::Nowhere if one.since.plus(OFFERED_FOR) <= now => (Some(HandOnEnd::Kept(NOWHERE)), "nowhere"),
+        Handed::Conflicting(_) => {
+            (Some(HandOnEnd::Kept("another region holds another message under its id")), "conflicting")
+        }
+        Handed::NotYet if one.since.plus(GIVE_UP_AFTER) <= now => {
+            (Some(HandOnEnd::Kept("no region could take it within a day of trying")), "given_up")
+        }
+        Handed::Nowhere => (None, "not_yet"),
+        Handed::NotYet => (None, "unanswered"),
+    };
+    metrics::counter!("keyfence_rail_notifications_handed_total", "outcome" => outcome).increment(1);
+    let recorded = match ended {
+        Some(ended) => engine.ledger().hand_on_ended(&one.rail, &one.message_id, ended).await,
+        None => engine.ledger().offered(&one.rail, &one.message_id, handed == Handed::NotYet).await,
+    };
+    match recorded {
+        Ok(()) if ended.is_some() => {
+            tracing::info!(rail = one.rail, id = one.message_id, ?handed, "a rail notification handed on")
+        }
+        Ok(()) => {}
+        Err(e) => tracing::warn!(id = one.message_id, error = %e, "could not record an offer; offering it again"),
+    }
+}
+
+/// Whether `one` became this region's to take, and was taken back.
+async fn take_back<K: KeyStore>(engine: &Engine<K>, one: &Waiting) -> Result<bool, EngineError> {
+    let Ok(message) = super::parse(&one.rail, &one.message_id, one.signed.clone()) else { return Ok(false) };
+    let Some(request) = engine.ledger().live_request_of(&message).await? else { return Ok(false) };
+    if engine.moved_away(&request.key, request.created_at).await?.is_some() {
+        return Ok(false);
+    }
+    Ok(engine.ledger().take_back(&message).await?.is_some())
 }

@@ -46,7 +46,7 @@ use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
 use crate::keystore::{Concluded, Conclusion, Frozen, HeldBy, Holding, KeyState, KeyStore};
 use crate::ledger::inbox::{
-    Arrival, InFlight, LEFTOVER, Message, PendingReturn, Signed, hand_on_later, settle_message,
+    Arrival, HandOnEnd, InFlight, LEFTOVER, Message, PendingReturn, Signed, hand_on_later, settle_message,
 };
 use crate::ledger::{LedgerError, payments, refunds};
 use crate::operations::{
@@ -136,8 +136,14 @@ fn too_long() -> String {
 
 /// Takes `message` in: recorded once, and its effect set going.
 pub async fn take<K: KeyStore + 'static>(engine: &Arc<Engine<K>>, message: &Message) -> Result<Arrival, LedgerError> {
-    let may_hand_on = message.handed_from.is_none() && hand::others_known(engine).await;
-    let arrival = engine.ledger().receive(message, may_hand_on).await?;
+    let mut arrival = engine.ledger().receive(message, message.handed_from.is_none()).await?;
+    if let Arrival::Forwarding(why) = arrival
+        && !hand::others_known(engine).await
+    {
+        // No other region to hand it to: kept for a person at once.
+        engine.ledger().hand_on_ended(&message.rail, &message.id, HandOnEnd::Kept(why)).await?;
+        arrival = Arrival::Unknown(why);
+    }
     metrics::counter!("keyfence_rail_notifications_total", "kind" => message.kind, "arrival" => arrival.label())
         .increment(1);
     match &arrival {
@@ -186,6 +192,11 @@ pub async fn take_handed<K: KeyStore + 'static>(
     let Some(request) = engine.ledger().live_request_of(message).await? else { return Ok(None) };
     if engine.moved_away(&request.key, request.created_at).await?.is_some() {
         return Ok(None);
+    }
+    // Received here first, while this region held no live copy, and
+    // waiting to be handed on: it is this region's to take now.
+    if let Some(arrival) = engine.ledger().take_back(message).await? {
+        return Ok(Some(arrival));
     }
     Ok(Some(take(engine, message).await?))
 }

@@ -47,12 +47,23 @@ pub async fn round<K: KeyStore, H: HandOn>(engine: &Engine<K>, hands: &H) {
             return;
         }
     };
-    if due.to_hand_on {
-        hand_on_waiting(engine, hands).await;
-    }
-    if !due.pending {
-        return;
-    }
+    // Handing on waits on other regions: it goes on beside this region's
+    // own work, never ahead of it.
+    let handing = async {
+        if due.to_hand_on {
+            hand_on_waiting(engine, hands).await;
+        }
+    };
+    tokio::join!(handing, async {
+        if due.pending {
+            work_pending(engine).await;
+        }
+    });
+}
+
+/// Applies returns that can take effect, ends overtaken verdicts, and
+/// resumes requests a verdict waits for.
+async fn work_pending<K: KeyStore>(engine: &Engine<K>) {
     apply_returns(engine).await;
     if let Err(e) = engine.ledger().end_overtaken_verdicts().await {
         tracing::warn!(error = %e, "could not read the inbox");

@@ -163,6 +163,9 @@ pub const LEFTOVER: &str = "this ledger holds a leftover; the payment's live cop
 /// Why a message naming no instruction of this ledger is kept.
 pub const NOT_HERE: &str = "no instruction of this ledger has this key";
 
+/// Why a message no region took is kept for a person.
+pub const NOWHERE: &str = "no region holds a live copy of its instruction";
+
 /// The steps whose instruction a rail may return: a payment's (`ext2`) and
 /// a refund's.
 const RETURNABLE: [&str; 2] = ["ext2", "refund"];
@@ -348,23 +351,72 @@ impl Ledger {
     }
 
     /// Ends a message waiting to be handed on: taken by `region`
-    /// (`forwarded`), or kept for a person (`unknown`) because `why`.
+    /// (`forwarded`), or kept for a person (`unknown`) because `why`. A
+    /// region's taking wins over a person's keeping that another worker
+    /// recorded as no region held it.
     pub async fn hand_on_ended(&self, rail: &str, message_id: &str, ended: HandOnEnd<'_>) -> Result<(), LedgerError> {
         let (state, note) = match ended {
             HandOnEnd::To(region) => ("forwarded", format!("handed to region {region}")),
             HandOnEnd::Kept(why) => ("unknown", why.to_owned()),
         };
         sqlx::query(
-            "UPDATE inbox SET state = $3, note = $4, applied_at = now()
-              WHERE rail = $1 AND message_id = $2 AND state = 'forwarding'",
+            "UPDATE inbox SET state = $3, note = $4, applied_at = now(), unanswered_at = NULL
+              WHERE rail = $1 AND message_id = $2
+                AND (state = 'forwarding' OR ($3 = 'forwarded' AND state = 'unknown' AND note = $5))",
         )
         .bind(rail)
         .bind(message_id)
         .bind(state)
         .bind(note)
+        .bind(NOWHERE)
         .execute(&self.pool)
         .await?;
         Ok(())
+    }
+
+    /// Records how the last offer of a message still waiting went: whether
+    /// some region could not be asked.
+    pub async fn offered(&self, rail: &str, message_id: &str, unanswered: bool) -> Result<(), LedgerError> {
+        sqlx::query(
+            "UPDATE inbox SET unanswered_at = CASE WHEN $3 THEN coalesce(unanswered_at, now()) END
+              WHERE rail = $1 AND message_id = $2 AND state = 'forwarding'",
+        )
+        .bind(rail)
+        .bind(message_id)
+        .bind(unanswered)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Takes back to work here a message waiting to be handed on, once this
+    /// ledger holds a live copy of its instruction (the request was adopted
+    /// here since it arrived): recorded as it would be had it come now
+    /// (pending, for the inbox worker's next round; or known already).
+    /// `None` if it does not wait here, or names no live copy here.
+    pub async fn take_back(&self, message: &Message) -> Result<Option<Arrival>, LedgerError> {
+        let Some(named) = self.named(message).await?.filter(|named| named.status.as_deref() != Some("voided")) else {
+            return Ok(None);
+        };
+        let arrival = named.arrival(message);
+        let (state, note) = match &arrival {
+            Arrival::Pending(_) => ("pending", None),
+            Arrival::Ignored => ("ignored", Some("the outcome was recorded already")),
+            Arrival::Unknown(why) if ![NOT_HERE, LEFTOVER].contains(why) => ("unknown", Some(*why)),
+            _ => return Ok(None),
+        };
+        let back = sqlx::query(
+            "UPDATE inbox SET state = $3, note = $4, hand_after = NULL, unanswered_at = NULL,
+                    applied_at = CASE WHEN $3 = 'pending' THEN NULL ELSE now() END
+              WHERE rail = $1 AND message_id = $2 AND state = 'forwarding'",
+        )
+        .bind(&message.rail)
+        .bind(&message.id)
+        .bind(state)
+        .bind(note)
+        .execute(&self.pool)
+        .await?;
+        Ok((back.rows_affected() == 1).then_some(arrival))
     }
 
     /// Hands on the verdicts waiting here for `request`, which moved to
@@ -387,9 +439,13 @@ impl Ledger {
         Ok(moved.rows_affected())
     }
 
-    /// How many messages wait to be handed to another region.
+    /// How many messages wait to be handed to another region because, at
+    /// their last offer, some region could not be asked (not those only
+    /// offered within the usual window).
     pub async fn waiting_to_hand_on(&self) -> Result<i64, LedgerError> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM inbox WHERE state = 'forwarding'").fetch_one(&self.pool).await?)
+        Ok(sqlx::query_scalar("SELECT count(*) FROM inbox WHERE state = 'forwarding' AND unanswered_at IS NOT NULL")
+            .fetch_one(&self.pool)
+            .await?)
     }
 
     /// Ends verdicts that wait for an outcome recorded meanwhile (they
@@ -448,9 +504,10 @@ impl Ledger {
         }
     }
 
-    /// Ends message `message_id` of `rail`, kept for a person, as settled
-    /// by one, who did what `note` says; `None` if no such message waits
-    /// for a person here (never received by this region, or not kept).
+    /// Ends message `message_id` of `rail`, kept for a person (or still
+    /// waiting to be handed on, which a person may settle instead), as
+    /// settled by one, who did what `note` says; `None` if no such message
+    /// waits here (never received by this region, or ended already).
     pub async fn settle_for_person(
         &self,
         rail: &str,
@@ -459,7 +516,7 @@ impl Ledger {
     ) -> Result<Option<SettledByPerson>, LedgerError> {
         Ok(sqlx::query_as(
             "WITH was AS (SELECT rail, message_id, note FROM inbox
-                           WHERE rail = $1 AND message_id = $2 AND state = 'unknown' FOR UPDATE)
+                           WHERE rail = $1 AND message_id = $2 AND state IN ('unknown', 'forwarding') FOR UPDATE)
              UPDATE inbox i SET state = 'settled', applied_at = now(),
                     note = 'settled by a person: ' || $3 || ' (kept because: ' || coalesce(was.note, '-') || ')'
                FROM was WHERE (i.rail, i.message_id) = (was.rail, was.message_id)

@@ -76,7 +76,7 @@ pub struct Report {
     /// with the rail (keyfence may have lost the payment).
     pub unmatched_notifications: Vec<Unmatched>,
     /// Rail notifications waiting to be handed to the region holding their
-    /// live copy (another region could not be asked yet).
+    /// live copy whose last offer could not reach some region.
     pub notifications_to_hand_on: i64,
     /// Payments a return froze whose return has not taken effect (in the
     /// key table, so every region's run lists them).
@@ -128,7 +128,7 @@ impl Report {
                 # TYPE keyfence_reconcile_notifications_for_a_person gauge\n";
         out += &format!("keyfence_reconcile_notifications_for_a_person {}\n", self.unmatched_notifications.len());
         out += "# HELP keyfence_reconcile_notifications_to_hand_on Rail notifications the last reconcile run found \
-                waiting to be handed to the region holding their live copy\n\
+                waiting to be handed to the region holding their live copy, some region not asked\n\
                 # TYPE keyfence_reconcile_notifications_to_hand_on gauge\n";
         out += &format!("keyfence_reconcile_notifications_to_hand_on {}\n", self.notifications_to_hand_on);
         out += "# HELP keyfence_reconcile_last_run_timestamp_seconds When the last reconcile run ended (Unix time)\n\

@@ -17,6 +17,8 @@ use keyfence::startup::build_engine;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use keyfence::webhooks::{Secret, signature};
+
 use crate::app::{RAIL_NOTIFY_SECRET, TestApp, TestRail, payment, spawn_app_with};
 use crate::harness::eventually;
 use crate::reconcile::Quiet;
@@ -45,6 +47,11 @@ async fn inbox_of(pool: &sqlx::PgPool) -> Vec<(String, String, Option<String>)> 
 async fn key_state(app: &TestApp, key: &str) -> Option<KeyState> {
     let key = ScopedKey::new(app.client_id().await, IdempotencyKey::parse(key).unwrap());
     app.keys.store.get(&key).await.unwrap().map(|item| item.state)
+}
+
+/// Messages waiting to be handed on that some region could not be asked for.
+async fn unanswered(pool: &sqlx::PgPool) -> i64 {
+    count(pool, "SELECT count(*) FROM inbox WHERE state = 'forwarding' AND unanswered_at IS NOT NULL").await
 }
 
 async fn count(pool: &sqlx::PgPool, query: &'static str) -> i64 {
@@ -172,8 +179,10 @@ async fn a_message_waits_for_a_region_that_cannot_be_asked_and_is_counted_meanwh
         .await
         .unwrap();
     assert_eq!(returned.status(), StatusCode::OK);
-    eventually("A took the return in and offered it to B", async || app.e2.notifications().await.outstanding == 0)
-        .await;
+    eventually("A took the return in and offered it to B, which could not be asked", async || {
+        unanswered(app.db.ledger.pool()).await == 1
+    })
+    .await;
     let a_engine = build_engine(&app.settings.engine).await.unwrap();
     let options = Options {
         since: keyfence::domain::Millis::new(0),
@@ -200,4 +209,55 @@ async fn a_message_waits_for_a_region_that_cannot_be_asked_and_is_counted_meanwh
     assert_eq!(taken, [("returned".to_owned(), "applied".to_owned())]);
     let again = reconcile::run(&a_engine, &options, &Quiet).await.unwrap();
     assert_eq!(again.notifications_to_hand_on, 0, "{}", again.table());
+}
+
+/// A notification A could not take when it came (the instruction was B's)
+/// becomes A's once A adopts the request from B, declared failed: A takes
+/// it back from the messages it was handing on, instead of offering it to
+/// B until a person gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_waiting_to_be_handed_on_is_taken_back_once_the_request_is_adopted_here() {
+    let app = quiet_app().await;
+    let b = app.second_region("test-2").await;
+    let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    app.e2.set_faults(json!({ "timeout_after_apply_rate": 1.0 })).await;
+    let body = payment("E2E-ADOPTED");
+    let held = app.try_pay_at(&b.url, &app.api_key, "adopted", &body).await.unwrap();
+    assert_eq!(held.status(), StatusCode::ACCEPTED, "B's instruction is at the rail, its answer held back");
+    app.e2.clear_faults().await;
+    regions::declare(&store, Some(&b.db.ledger), "test-2", RegionState::Failed, "test", "drill").await.unwrap();
+
+    // The rail's verdict reaches A, which holds nothing of it yet.
+    let applied = app.e2.statement().await[0].clone();
+    let notice = json!({ "type": "instruction.applied", "id": "evt_e2_adopted", "applied": applied });
+    let raw = serde_json::to_vec(&notice).unwrap();
+    let secret = Secret { value: RAIL_NOTIFY_SECRET.to_owned(), created_at: 0, valid_until: None };
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let posted = app
+        .http
+        .post(format!("{}/v1/rail-events/e2", app.url))
+        .header("content-type", "application/json")
+        .header("webhook-id", "evt_e2_adopted")
+        .header("webhook-timestamp", now.to_string())
+        .header("webhook-signature", signature::header(&[&secret], "evt_e2_adopted", now, &raw))
+        .body(raw)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(posted.status(), StatusCode::OK);
+    eventually("offered to B, which could not be asked", async || unanswered(app.db.ledger.pool()).await == 1).await;
+
+    // A client retries at A: A adopts the request and finishes it.
+    eventually("A finished the request it adopted", async || {
+        let answer = app.try_pay_at(&app.url, &app.api_key, "adopted", &body).await.unwrap();
+        answer.status() == StatusCode::CREATED
+    })
+    .await;
+    eventually("A took the notification back and ended it here", async || {
+        let a = inbox_of(app.db.ledger.pool()).await;
+        a.len() == 1 && ["applied", "ignored"].contains(&a[0].1.as_str())
+    })
+    .await;
+    assert_eq!(app.e2.sent_again().await, BTreeMap::new(), "the instruction was not sent again");
+    assert_eq!(count(app.db.ledger.pool(), "SELECT count(*) FROM payments WHERE status = 'succeeded'").await, 1);
 }

@@ -232,31 +232,22 @@ impl Stack {
         [connect(&self.app.db.url), connect(&self.b.db.url)]
     }
 
-    /// Keys still in flight (claimed and not finished), in the whole table.
+    /// Keys still in flight (claimed and not finished), read off the
+    /// in-flight index shard by shard (a scan of the whole table grows with
+    /// every balance and hand-off a long run leaves); `usize::MAX` if the
+    /// table cannot be read.
     pub async fn in_flight(&self) -> usize {
-        use aws_sdk_dynamodb::types::AttributeValue;
-        let (mut found, mut start) = (0, None);
-        loop {
-            let page = self
-                .app
-                .keys
-                .store
-                .client()
-                .scan()
-                .table_name(self.app.keys.store.table())
-                .filter_expression("#state = :started")
-                .expression_attribute_names("#state", "state")
-                .expression_attribute_values(":started", AttributeValue::S("started".into()))
-                .set_exclusive_start_key(start)
-                .send()
-                .await;
-            let Ok(page) = page else { return usize::MAX };
-            found += page.items().len();
-            start = page.last_evaluated_key().cloned();
-            if start.is_none() {
-                return found;
+        use keyfence::keystore::{INFLIGHT_SHARDS, KeyStore};
+        // Every lease ends before then: every started item.
+        let later = keyfence::domain::Millis::now().plus(Duration::from_secs(86_400));
+        let mut found = 0;
+        for shard in 0..INFLIGHT_SHARDS {
+            match self.app.keys.store.stale_in_flight(shard, later).await {
+                Ok(started) => found += started.len(),
+                Err(_) => return usize::MAX,
             }
         }
+        found
     }
 
     /// Every line each instance logged, by instance.
