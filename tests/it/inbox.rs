@@ -22,12 +22,12 @@ use crate::harness::eventually;
 use keyfence::rail::sim::notify::Tally;
 
 /// Has `rail` notify `app` as rail `name`.
-fn notify(rail: &TestRail, app: &TestApp, name: &str) {
+pub(crate) fn notify(rail: &TestRail, app: &TestApp, name: &str) {
     let url = format!("{}/v1/rail-events/{name}", app.url);
     rail.sim.as_ref().unwrap().notify_to(Callback { url, secret: RAIL_NOTIFY_SECRET.to_owned() });
 }
 
-async fn quiet_app() -> TestApp {
+pub(crate) async fn quiet_app() -> TestApp {
     spawn_app_with(|s| {
         s.engine.work.lease = Duration::from_millis(1000);
         (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);

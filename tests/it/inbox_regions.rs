@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use keyfence::domain::{IdempotencyKey, ScopedKey};
 use keyfence::keystore::{KeyState, KeyStore};
-use keyfence::rail::sim::notify::Callback;
 use keyfence::reconcile::{self, Class, Options};
 use keyfence::regions::{self, RegionState, RegionStore};
 use keyfence::startup::build_engine;
@@ -19,24 +18,21 @@ use serde_json::{Value, json};
 
 use keyfence::webhooks::{Secret, signature};
 
-use crate::app::{RAIL_NOTIFY_SECRET, TestApp, TestRail, payment, spawn_app_with};
+use crate::app::{RAIL_NOTIFY_SECRET, TestApp, payment};
 use crate::harness::eventually;
+use crate::inbox::{notify, quiet_app};
 use crate::reconcile::Quiet;
 
-/// Has `rail` notify region A only, as rail `name`.
-fn notify_a(rail: &TestRail, app: &TestApp, name: &str) {
-    let url = format!("{}/v1/rail-events/{name}", app.url);
-    rail.sim.as_ref().unwrap().notify_to(Callback { url, secret: RAIL_NOTIFY_SECRET.to_owned() });
-}
-
-async fn quiet_app() -> TestApp {
-    spawn_app_with(|s| {
-        s.engine.work.lease = Duration::from_millis(1000);
-        (s.engine.rails.rail_timeout, s.engine.rails.rail_attempts) = (Duration::from_millis(300), 1);
-        // Nothing but the inbox resumes a parked payment.
-        s.recovery_interval_ms = 0;
-    })
-    .await
+/// Every finding of the whole ledger, at once.
+fn options(repair: bool) -> Options {
+    Options {
+        since: keyfence::domain::Millis::new(0),
+        until: keyfence::domain::Millis::now().plus(Duration::from_secs(60)),
+        repair,
+        stale_after: Duration::ZERO,
+        unknown_after: Duration::ZERO,
+        segments: 1,
+    }
 }
 
 /// Each inbox message of a ledger: (kind, state, note).
@@ -62,7 +58,7 @@ async fn count(pool: &sqlx::PgPool, query: &'static str) -> i64 {
 async fn a_notification_for_another_regions_instruction_is_handed_to_it_once() {
     let app = quiet_app().await;
     let b = app.second_region("test-2").await;
-    notify_a(&app.e2, &app, "e2");
+    notify(&app.e2, &app, "e2");
     app.e2.set_faults(json!({ "timeout_after_apply_rate": 1.0, "duplicate_rate": 1.0 })).await;
     let held = app.try_pay_at(&b.url, &app.api_key, "held", &payment("E2E-HANDED")).await.unwrap();
     assert_eq!(held.status(), StatusCode::ACCEPTED, "the rail held its answer back");
@@ -112,20 +108,13 @@ async fn after_a_failover_a_return_reaches_the_live_copy_not_the_leftover() {
     regions::declare(&store, Some(&app.db.ledger), "test-1", RegionState::Active, "test", "healed").await.unwrap();
     // A's reconciler voids A's copy: A holds a leftover.
     let a_engine = build_engine(&app.settings.engine).await.unwrap();
-    let options = Options {
-        since: keyfence::domain::Millis::new(0),
-        until: keyfence::domain::Millis::now().plus(Duration::from_secs(60)),
-        repair: true,
-        stale_after: Duration::ZERO,
-        unknown_after: Duration::ZERO,
-        segments: 2,
-    };
+    let options = options(true);
     let report = reconcile::run(&a_engine, &options, &Quiet).await.unwrap();
     assert_eq!(report.findings.iter().map(|f| f.class).collect::<Vec<_>>(), [Class::MovedInFlight]);
     assert_eq!(count(app.db.ledger.pool(), "SELECT count(*) FROM payments WHERE status = 'voided'").await, 1);
 
     // The rail returns the payment, and tells A.
-    notify_a(&app.e2, &app, "e2");
+    notify(&app.e2, &app, "e2");
     let key = app.e2.statement().await[0].idempotency_key.clone();
     let returned = reqwest::Client::new()
         .put(format!("{}/v1/returns", app.e2.url))
@@ -170,7 +159,7 @@ async fn a_message_waits_for_a_region_that_cannot_be_asked_and_is_counted_meanwh
     let location = paid.headers()["location"].to_str().unwrap().to_owned();
     regions::declare(&store, Some(&b.db.ledger), "test-2", RegionState::Failed, "test", "drill").await.unwrap();
 
-    notify_a(&app.e2, &app, "e2");
+    notify(&app.e2, &app, "e2");
     let key = app.e2.statement().await[0].idempotency_key.clone();
     let returned = reqwest::Client::new()
         .put(format!("{}/v1/returns", app.e2.url))
@@ -184,14 +173,7 @@ async fn a_message_waits_for_a_region_that_cannot_be_asked_and_is_counted_meanwh
     })
     .await;
     let a_engine = build_engine(&app.settings.engine).await.unwrap();
-    let options = Options {
-        since: keyfence::domain::Millis::new(0),
-        until: keyfence::domain::Millis::now().plus(Duration::from_secs(60)),
-        repair: false,
-        stale_after: Duration::ZERO,
-        unknown_after: Duration::ZERO,
-        segments: 1,
-    };
+    let options = options(false);
     let report = reconcile::run(&a_engine, &options, &Quiet).await.unwrap();
     assert_eq!(report.notifications_to_hand_on, 1, "{}", report.table());
     assert!(report.unmatched_notifications.is_empty(), "not kept for a person: {}", report.table());
