@@ -22,15 +22,16 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use keyfence::config::{KeyStoreSettings, LedgerSettings};
 use keyfence::domain::{
     ClientId, IdempotencyKey, ProbeBackoff, RecoveryPoint, RequestHash, Retention, ScopedKey, StoredResponse,
 };
 use keyfence::engine::{
     Answer, Engine, EngineError, EngineSettings, ExternalStep, Operation, Rails, Step, StepContext,
 };
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::keystore::{self, DynamoKeyStore};
 use keyfence::ledger::Ledger;
+use keyfence::ledger::LedgerSettings;
 use keyfence::rail::{Applied, Declined, Instruction, RailClient, sim};
 use keyfence::regions::{RegionStore, RegionView};
 use serde::{Deserialize, Serialize};

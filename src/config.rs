@@ -6,248 +6,19 @@
 //! stack. Values are validated when parsed, so a bad setting stops start-up
 //! with a message naming it; secrets never appear in `Debug` output.
 
-use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
-use clap::{Args, Parser};
-use sqlx::postgres::PgConnectOptions;
+use clap::Args;
 
-use crate::domain::Retention;
+use crate::domain::{
+    ANSWER_LIMIT, ProbeBackoff, RailSecrets, RegionSecret, Retention, parse_duration, parse_millis, parse_span,
+};
+use crate::http::FairUseSettings;
+use crate::keystore::KeyStoreSettings;
+use crate::ledger::LedgerSettings;
+use crate::ledger::partitions::Partitioning;
 use crate::rail::RailClient;
-
-/// Where the key table lives and how the SDK talks to it.
-#[derive(Args, Clone, Debug)]
-pub struct KeyStoreSettings {
-    /// DynamoDB table holding the idempotency keys.
-    #[arg(long = "table", env = "KEYFENCE_TABLE", default_value = "keyfence-keys", value_parser = parse_table_name)]
-    pub table: String,
-    /// DynamoDB endpoint; unset means AWS itself. Local: http://127.0.0.1:4566.
-    #[arg(long, env = "AWS_ENDPOINT_URL")]
-    pub aws_endpoint_url: Option<String>,
-    /// AWS region of the key table. Unset: the SDK's region chain (AWS_DEFAULT_REGION, the
-    /// profile, the instance's metadata); us-east-1 for a loopback endpoint.
-    #[arg(long, env = "AWS_REGION")]
-    pub aws_region: Option<String>,
-    /// Sign with made-up credentials when none are configured: for an emulator that is not on
-    /// loopback (a loopback endpoint gets them anyway). Never for AWS.
-    #[arg(long = "aws-dummy-credentials", env = "KEYFENCE_AWS_DUMMY_CREDENTIALS")]
-    pub dummy_credentials: bool,
-    /// Attempts per key-store request, the first included (SDK standard retry mode). Unset:
-    /// AWS_MAX_ATTEMPTS, else 3.
-    #[arg(long = "keystore-attempts", env = "KEYFENCE_KEYSTORE_ATTEMPTS",
-          value_parser = clap::value_parser!(u32).range(1..=10))]
-    pub max_attempts: Option<u32>,
-    /// Time limit of one key-store attempt, in milliseconds.
-    #[arg(long = "keystore-attempt-timeout-ms", env = "KEYFENCE_KEYSTORE_ATTEMPT_TIMEOUT_MS",
-          default_value = "5000", value_parser = parse_millis)]
-    pub attempt_timeout: Duration,
-}
-
-/// Where the regional ledger lives.
-#[derive(Args, Clone, Debug)]
-pub struct LedgerSettings {
-    /// PostgreSQL URL of this region's ledger (created by `migrate` if missing).
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/keyfence",
-        hide_env_values = true
-    )]
-    pub database_url: DatabaseUrl,
-    /// Connections the ledger pool holds at most (each phase takes one for its transaction).
-    #[arg(long = "ledger-pool-size", env = "KEYFENCE_LEDGER_POOL_SIZE", default_value_t = 20,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub pool_size: u32,
-}
-
-impl KeyStoreSettings {
-    /// Whether the key table is an emulator on this machine (the endpoint is
-    /// a loopback address): only then do local-development defaults apply.
-    /// The endpoint is keyfence's setting (`AWS_ENDPOINT_URL`), else the
-    /// one the SDK reads for DynamoDB alone (`AWS_ENDPOINT_URL_DYNAMODB`).
-    pub fn local_endpoint(&self) -> bool {
-        // The SDK reads it only while configured endpoints are not ignored.
-        let ignored =
-            std::env::var("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
-        let sdk_own = || std::env::var("AWS_ENDPOINT_URL_DYNAMODB").ok().filter(|_| !ignored);
-        self.aws_endpoint_url.clone().or_else(sdk_own).as_deref().is_some_and(is_loopback_url)
-    }
-
-    /// The settings as flags-less start-up would see them: environment, then defaults.
-    pub fn from_env() -> Result<Self, clap::Error> {
-        #[derive(Parser)]
-        struct Only {
-            #[command(flatten)]
-            settings: KeyStoreSettings,
-        }
-        Ok(Only::try_parse_from(["keyfence"])?.settings)
-    }
-}
-
-/// Whether `url` names this machine: `localhost`, 127.0.0.0/8 or `::1`.
-fn is_loopback_url(url: &str) -> bool {
-    let Some(host) = reqwest::Url::parse(url).ok().and_then(|u| u.host_str().map(str::to_owned)) else {
-        return false;
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
-}
-
-impl LedgerSettings {
-    /// A ledger a command makes a statement or two of (another region's):
-    /// a pool of two.
-    pub fn remote(database_url: DatabaseUrl) -> Self {
-        Self { database_url, pool_size: 2 }
-    }
-
-    /// The settings as flags-less start-up would see them: environment, then defaults.
-    pub fn from_env() -> Result<Self, clap::Error> {
-        #[derive(Parser)]
-        struct Only {
-            #[command(flatten)]
-            settings: LedgerSettings,
-        }
-        Ok(Only::try_parse_from(["keyfence"])?.settings)
-    }
-}
-
-/// A PostgreSQL URL, checked when parsed; `Debug` and `Display` hide the password.
-#[derive(Clone)]
-pub struct DatabaseUrl {
-    options: PgConnectOptions,
-}
-
-impl DatabaseUrl {
-    pub fn options(&self) -> &PgConnectOptions {
-        &self.options
-    }
-
-    /// The database this URL names (PostgreSQL's default: the user's name).
-    pub fn database(&self) -> &str {
-        self.options.get_database().unwrap_or_else(|| self.options.get_username())
-    }
-
-    /// The same server and credentials, another database.
-    pub fn with_database(&self, name: &str) -> Self {
-        Self { options: self.options.clone().database(name) }
-    }
-}
-
-impl FromStr for DatabaseUrl {
-    type Err = String;
-
-    fn from_str(url: &str) -> Result<Self, Self::Err> {
-        let options = url.parse::<PgConnectOptions>().map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
-        Ok(Self { options })
-    }
-}
-
-impl fmt::Display for DatabaseUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let o = &self.options;
-        write!(f, "postgres://{}@{}:{}/{}", o.get_username(), o.get_host(), o.get_port(), self.database())
-    }
-}
-
-impl fmt::Debug for DatabaseUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DatabaseUrl({self})")
-    }
-}
-
-fn parse_table_name(name: &str) -> Result<String, String> {
-    let valid = (3..=255).contains(&name.len())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
-    if valid {
-        Ok(name.to_owned())
-    } else {
-        Err("a DynamoDB table name is 3-255 characters of letters, digits, '_', '-' and '.'".into())
-    }
-}
-
-fn parse_millis(raw: &str) -> Result<Duration, String> {
-    match raw.parse::<u64>() {
-        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
-        _ => Err("expected a positive number of milliseconds".into()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_loopback_endpoint_is_local() {
-        for url in ["http://127.0.0.1:4566", "http://localhost:4566", "http://[::1]:4566", "http://127.8.9.10"] {
-            assert!(is_loopback_url(url), "{url}");
-        }
-        for url in [
-            "https://dynamodb.eu-west-1.amazonaws.com",
-            "https://vpce-0a1b.dynamodb.eu-west-1.vpce.amazonaws.com",
-            "http://localstack:4566",
-            "http://10.0.0.5:4566",
-            "http://localhost.example.com",
-            "not a url",
-        ] {
-            assert!(!is_loopback_url(url), "{url}");
-        }
-    }
-
-    #[test]
-    fn database_url_hides_its_password() {
-        let url: DatabaseUrl = "postgres://app:s3cret@db.internal:6432/ledger".parse().unwrap();
-        assert_eq!(url.to_string(), "postgres://app@db.internal:6432/ledger");
-        assert!(!format!("{url:?}").contains("s3cret"));
-    }
-
-    #[test]
-    fn retention_takes_durations_and_still_hours() {
-        let parse = |args: &[&str]| {
-            #[derive(Parser)]
-            struct Only {
-                #[command(flatten)]
-                retention: RetentionSettings,
-            }
-            Only::try_parse_from(std::iter::once("keyfence").chain(args.iter().copied()))
-                .map(|only| only.retention.retention())
-        };
-        let day = Duration::from_secs(24 * 3600);
-        assert_eq!(parse(&[]).unwrap().keep, 3 * day, "72 hours by default");
-        assert_eq!(parse(&[]).unwrap().grace, Duration::from_secs(600), "ten minutes of grace by default");
-        assert_eq!(parse(&["--retention", "90s"]).unwrap().keep, Duration::from_secs(90));
-        assert_eq!(parse(&["--retention", "1h 30m"]).unwrap().keep, Duration::from_secs(5400));
-        assert_eq!(parse(&["--retention-hours", "24"]).unwrap().keep, day);
-        assert_eq!(parse(&["--retention-hours", "24", "--retention", "2h"]).unwrap().keep, day / 12);
-        assert_eq!(parse(&["--retention-grace", "45s"]).unwrap().grace, Duration::from_secs(45));
-        assert!(parse(&["--retention", "soon"]).is_err());
-        assert!(parse(&["--retention", "0s"]).is_err());
-    }
-
-    #[test]
-    fn a_grace_shorter_than_the_skew_leases_tolerate_is_refused() {
-        let engine = |args: &[&str]| {
-            #[derive(Parser)]
-            struct Only {
-                #[command(flatten)]
-                engine: EngineConfig,
-            }
-            Only::try_parse_from(std::iter::once("keyfence").chain(args.iter().copied())).unwrap().engine
-        };
-        assert!(engine(&[]).conflicts().is_empty());
-        let conflicts = engine(&["--retention-grace", "3s", "--lease-ms", "10000"]).conflicts();
-        assert_eq!(conflicts.len(), 1, "{conflicts:?}");
-        assert!(conflicts[0].contains("KEYFENCE_RETENTION_GRACE"), "{conflicts:?}");
-        assert!(engine(&["--retention-grace", "4s", "--lease-ms", "10000"]).conflicts().is_empty());
-    }
-
-    #[test]
-    fn table_names_are_checked() {
-        assert!(parse_table_name("keyfence-keys").is_ok());
-        assert!(parse_table_name("k").is_err());
-        assert!(parse_table_name("bad name").is_err());
-    }
-}
+use crate::webhooks::DeliverySettings;
 
 /// The external systems and how each is called.
 #[derive(Args, Clone, Debug)]
@@ -299,16 +70,16 @@ pub struct WorkSettings {
     /// least the default. Every field of a request, and every text a rail answers with, has a
     /// length limit that keeps the largest valid answer below the default; an answer over it is
     /// an operation's bug, refused before it is stored.
-    #[arg(long = "answer-limit", env = "KEYFENCE_ANSWER_LIMIT", default_value_t = crate::domain::ANSWER_LIMIT,
-          value_parser = clap::value_parser!(u32).range(i64::from(crate::domain::ANSWER_LIMIT)..=(350 * 1024)))]
+    #[arg(long = "answer-limit", env = "KEYFENCE_ANSWER_LIMIT", default_value_t = ANSWER_LIMIT,
+          value_parser = clap::value_parser!(u32).range(i64::from(ANSWER_LIMIT)..=(350 * 1024)))]
     pub answer_limit: u32,
     #[command(flatten)]
     pub retention: RetentionSettings,
 }
 
 impl WorkSettings {
-    pub fn probe_backoff(&self) -> crate::domain::ProbeBackoff {
-        crate::domain::ProbeBackoff { first: self.probe_backoff_first, max: self.probe_backoff_max }
+    pub fn probe_backoff(&self) -> ProbeBackoff {
+        ProbeBackoff { first: self.probe_backoff_first, max: self.probe_backoff_max }
     }
 }
 
@@ -363,7 +134,7 @@ pub struct PartitionSettings {
 impl PartitionSettings {
     /// The partitioning, refused if the ledger would drop a request whose key may still be live
     /// (its retention, and a grace each for the clocks of the key store's writer and the ledger).
-    pub fn partitioning(&self, retention: &Retention) -> Result<crate::ledger::partitions::Partitioning, String> {
+    pub fn partitioning(&self, retention: &Retention) -> Result<Partitioning, String> {
         let least = retention.keep + retention.grace * 2;
         if self.keep < least {
             return Err(format!(
@@ -373,7 +144,7 @@ impl PartitionSettings {
                 humantime::format_duration(least),
             ));
         }
-        Ok(crate::ledger::partitions::Partitioning { span: self.span, ahead: self.ahead, keep: self.keep })
+        Ok(Partitioning { span: self.span, ahead: self.ahead, keep: self.keep })
     }
 }
 
@@ -386,24 +157,6 @@ impl Default for PartitionSettings {
 impl Default for RetentionSettings {
     fn default() -> Self {
         Self { retention: None, retention_hours: None, grace: Duration::from_secs(600) }
-    }
-}
-
-/// A positive duration in whole seconds, such as `1d` or `6h`.
-fn parse_span(raw: &str) -> Result<Duration, String> {
-    let span = parse_duration(raw)?;
-    if span.subsec_nanos() != 0 {
-        return Err("expected whole seconds".into());
-    }
-    Ok(span)
-}
-
-/// A positive duration such as `72h`, `90s` or `1h 30m`.
-fn parse_duration(raw: &str) -> Result<Duration, String> {
-    match humantime::parse_duration(raw) {
-        Ok(d) if !d.is_zero() => Ok(d),
-        Ok(_) => Err("expected a positive duration".into()),
-        Err(e) => Err(format!("expected a duration such as 72h, 90m or 30s: {e}")),
     }
 }
 
@@ -515,7 +268,7 @@ pub struct ServeSettings {
     /// The secrets the rails sign their notifications with, when given in code (tests); else
     /// `KEYFENCE_E1_NOTIFY_SECRET` and `KEYFENCE_E2_NOTIFY_SECRET` (the environment only).
     #[arg(skip)]
-    pub rail_secrets: Option<crate::inbox::RailSecrets>,
+    pub rail_secrets: Option<RailSecrets>,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,
@@ -568,94 +321,90 @@ pub struct ServeSettings {
     pub region_secret_file: Option<std::path::PathBuf>,
     /// The secret itself, when given in code (tests); else read from the file or the environment.
     #[arg(skip)]
-    pub region_secret: Option<crate::http::RegionSecret>,
+    pub region_secret: Option<RegionSecret>,
 }
 
-/// How `serve` delivers webhook events (see `webhooks::schedule` for what
-/// the retry settings make of a delivery).
-#[derive(Args, Clone, Copy, Debug)]
-pub struct DeliverySettings {
-    /// How often the delivery worker looks for webhook events to send, in milliseconds (0: this
-    /// instance sends none).
-    #[arg(
-        id = "webhook-interval-ms",
-        long = "webhook-interval-ms",
-        env = "KEYFENCE_WEBHOOK_INTERVAL_MS",
-        default_value_t = 1000
-    )]
-    pub interval_ms: u64,
-    /// Deliveries one instance sends at once.
-    #[arg(id = "webhook-concurrency", long = "webhook-concurrency", env = "KEYFENCE_WEBHOOK_CONCURRENCY", default_value_t = 16,
-          value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub concurrency: u32,
-    /// How long a receiver has to answer one delivery, in milliseconds.
-    #[arg(id = "webhook-timeout-ms", long = "webhook-timeout-ms", env = "KEYFENCE_WEBHOOK_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
-    pub timeout: Duration,
-    /// The wait before a delivery's first retry, in milliseconds; each later wait is four times the last.
-    #[arg(id = "webhook-retry-first-ms", long = "webhook-retry-first-ms", env = "KEYFENCE_WEBHOOK_RETRY_FIRST_MS", default_value = "5000", value_parser = parse_millis)]
-    pub retry_first: Duration,
-    /// The longest wait between two attempts of a delivery, in milliseconds.
-    #[arg(id = "webhook-retry-max-ms", long = "webhook-retry-max-ms", env = "KEYFENCE_WEBHOOK_RETRY_MAX_MS", default_value = "14400000", value_parser = parse_millis)]
-    pub retry_longest: Duration,
-    /// Attempts of one delivery in all; then it has failed and its endpoint is flagged as failing.
-    #[arg(id = "webhook-attempts", long = "webhook-attempts", env = "KEYFENCE_WEBHOOK_ATTEMPTS", default_value_t = 10,
-          value_parser = clap::value_parser!(u32).range(1..=100))]
-    pub attempts: u32,
-    /// Failed deliveries in a row after which an endpoint is disabled.
-    #[arg(id = "webhook-disable-after", long = "webhook-disable-after", env = "KEYFENCE_WEBHOOK_DISABLE_AFTER", default_value_t = 5,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub disable_after: u32,
-    /// How long a webhook event and its deliveries are kept once every delivery has finished.
-    #[arg(id = "webhook-retention", long = "webhook-retention", env = "KEYFENCE_WEBHOOK_RETENTION", default_value = "7d", value_parser = parse_duration)]
-    pub retention: Duration,
-}
-
-impl DeliverySettings {
-    pub fn schedule(&self) -> crate::webhooks::schedule::Schedule {
-        crate::webhooks::schedule::Schedule {
-            first: self.retry_first,
-            longest: self.retry_longest,
-            attempts: self.attempts,
+impl ServeSettings {
+    /// The region secret: given in code, else read from
+    /// `--region-secret-file`, else `KEYFENCE_REGION_SECRET`; `None` if
+    /// none is set (an error says what is wrong with one that is).
+    pub fn find_region_secret(&self) -> Result<Option<RegionSecret>, String> {
+        if let Some(secret) = &self.region_secret {
+            return Ok(Some(secret.clone()));
         }
+        if let Some(file) = &self.region_secret_file {
+            let raw = std::fs::read_to_string(file)
+                .map_err(|e| format!("cannot read the region secret from {}: {e}", file.display()))?;
+            return RegionSecret::new(&raw).map(Some);
+        }
+        std::env::var("KEYFENCE_REGION_SECRET").ok().map(|raw| RegionSecret::new(&raw)).transpose()
     }
-}
 
-/// What one client may take of one instance (every client alike, unless
-/// `keyfence clients limits` gives it its own), and what all of them may.
-/// Per instance: behind a load balancer over N instances a client gets up
-/// to N times these.
-#[derive(Args, Clone, Copy, Debug)]
-pub struct FairUseSettings {
-    /// Requests a second one client may make (its token bucket's refill).
-    #[arg(long = "client-rate", env = "KEYFENCE_CLIENT_RATE", default_value_t = 100,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub client_rate: u32,
-    /// Requests one client may make at once after a quiet spell (the bucket's size).
-    #[arg(long = "client-burst", env = "KEYFENCE_CLIENT_BURST", default_value_t = 200,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub client_burst: u32,
-    /// Payments one client may have in flight at once.
-    #[arg(long = "client-in-flight", env = "KEYFENCE_CLIENT_IN_FLIGHT", default_value_t = 16,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub client_in_flight: u32,
-    /// Payment tasks in flight at once, all clients together (past it: 503, nothing claimed).
-    #[arg(long = "max-payment-tasks", env = "KEYFENCE_MAX_PAYMENT_TASKS", default_value_t = 256,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_payment_tasks: u32,
-    /// API keys never seen by this instance it looks up a second (twice that at once; past it: 503):
-    /// what a flood of made-up keys costs the key table at most.
-    #[arg(long = "new-key-lookups", env = "KEYFENCE_NEW_KEY_LOOKUPS", default_value_t = 200,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub new_key_lookups: u32,
-}
-
-impl Default for FairUseSettings {
-    fn default() -> Self {
-        Self { client_rate: 100, client_burst: 200, client_in_flight: 16, max_payment_tasks: 256, new_key_lookups: 200 }
+    /// The rails' notification secrets: given in code, else
+    /// `KEYFENCE_E1_NOTIFY_SECRET` and `KEYFENCE_E2_NOTIFY_SECRET`, where set.
+    pub fn find_rail_secrets(&self) -> RailSecrets {
+        if let Some(secrets) = &self.rail_secrets {
+            return secrets.clone();
+        }
+        let secrets = ["e1", "e2"]
+            .into_iter()
+            .filter_map(|rail| {
+                let secret = std::env::var(format!("KEYFENCE_{}_NOTIFY_SECRET", rail.to_uppercase())).ok()?;
+                Some((rail.to_owned(), secret)).filter(|(_, s)| !s.is_empty())
+            })
+            .collect();
+        RailSecrets::new(secrets)
     }
 }
 
 fn default_instance() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "keyfence".to_owned());
     format!("{host}-{}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn retention_takes_durations_and_still_hours() {
+        let parse = |args: &[&str]| {
+            #[derive(Parser)]
+            struct Only {
+                #[command(flatten)]
+                retention: RetentionSettings,
+            }
+            Only::try_parse_from(std::iter::once("keyfence").chain(args.iter().copied()))
+                .map(|only| only.retention.retention())
+        };
+        let day = Duration::from_secs(24 * 3600);
+        assert_eq!(parse(&[]).unwrap().keep, 3 * day, "72 hours by default");
+        assert_eq!(parse(&[]).unwrap().grace, Duration::from_secs(600), "ten minutes of grace by default");
+        assert_eq!(parse(&["--retention", "90s"]).unwrap().keep, Duration::from_secs(90));
+        assert_eq!(parse(&["--retention", "1h 30m"]).unwrap().keep, Duration::from_secs(5400));
+        assert_eq!(parse(&["--retention-hours", "24"]).unwrap().keep, day);
+        assert_eq!(parse(&["--retention-hours", "24", "--retention", "2h"]).unwrap().keep, day / 12);
+        assert_eq!(parse(&["--retention-grace", "45s"]).unwrap().grace, Duration::from_secs(45));
+        assert!(parse(&["--retention", "soon"]).is_err());
+        assert!(parse(&["--retention", "0s"]).is_err());
+    }
+
+    #[test]
+    fn a_grace_shorter_than_the_skew_leases_tolerate_is_refused() {
+        let engine = |args: &[&str]| {
+            #[derive(Parser)]
+            struct Only {
+                #[command(flatten)]
+                engine: EngineConfig,
+            }
+            Only::try_parse_from(std::iter::once("keyfence").chain(args.iter().copied())).unwrap().engine
+        };
+        assert!(engine(&[]).conflicts().is_empty());
+        let conflicts = engine(&["--retention-grace", "3s", "--lease-ms", "10000"]).conflicts();
+        assert_eq!(conflicts.len(), 1, "{conflicts:?}");
+        assert!(conflicts[0].contains("KEYFENCE_RETENTION_GRACE"), "{conflicts:?}");
+        assert!(engine(&["--retention-grace", "4s", "--lease-ms", "10000"]).conflicts().is_empty());
+    }
 }

@@ -24,8 +24,16 @@
 //!   payments end (global, control items of the key table).
 //! - [`batch`]: `keyfence pay --file`, paying a file's lines through the
 //!   client library (the `keyfence-client` crate) under deterministic keys.
-//! - [`config`], [`startup`], [`telemetry`], [`metrics`]: settings, building
-//!   the service, logs and trace export, Prometheus metrics.
+//! - [`config`], [`startup`], [`telemetry`], [`metrics`]: gathering each
+//!   room's settings (the key store's, the ledger's, the front door's, the
+//!   webhook worker's: each room owns its type) from flags and the
+//!   environment, building the service, logs and trace export, Prometheus
+//!   metrics.
+//!
+//! No room imports one that imports it back, and no two files of a room do
+//! (`tests/it/layers.rs` reads the `crate::` paths and fails on a circle):
+//! what several rooms share, such as secrets and the Standard Webhooks
+//! signature, lives in [`domain`].
 //!
 //! The `keyfence` binary (`src/cli/`) serves and operates; the benchmarks
 //! and the rail simulator's command are in `keyfence-tools` (`tools/`).

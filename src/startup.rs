@@ -11,12 +11,13 @@ use std::time::Duration;
 use axum::Router;
 use tokio::net::TcpListener;
 
-use crate::clients::{ClientStore, Directory};
-use crate::config::{EngineConfig, KeyStoreSettings, LedgerSettings, ServeSettings};
+use crate::clients::{ClientRecord, ClientStore, Directory};
+use crate::config::{EngineConfig, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
-use crate::http::{AppState, PeerInboxes, Peers, RegionSecret, Throttle, admin_router, router, server};
-use crate::inbox::RailSecrets;
+use crate::http::{AppState, PeerInboxes, Peers, Throttle, admin_router, router, server};
+use crate::keystore::KeyStoreSettings;
 use crate::keystore::{self, DynamoKeyStore, KeyStore, KeyStoreError, TableChange};
+use crate::ledger::LedgerSettings;
 use crate::ledger::partitions::{self, Partitioning};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
 use crate::operations::{PAYMENT_RAIL, SCREENING};
@@ -106,8 +107,15 @@ pub async fn migrate(
     let directory = ClientStore::new(client, keys.table.clone());
     let older_clients = directory.migrate_legacy(drop_older_clients).await?;
     let mut clients_copied = 0;
-    for (record, digest) in regional.legacy_clients().await? {
-        directory.put(record, &digest).await?;
+    for legacy in regional.legacy_clients().await? {
+        let record = ClientRecord {
+            id: legacy.id,
+            name: legacy.name,
+            created_at: legacy.created_at,
+            revoked_at: None,
+            keys: vec![],
+        };
+        directory.put(record, &legacy.digest).await?;
         clients_copied += 1;
     }
     Ok(Migrated { table, table_notes, ledger, clients_copied, older_clients })
@@ -169,14 +177,7 @@ impl Application {
         if !conflicts.is_empty() {
             return Err(StartupError::Settings(conflicts));
         }
-        let secret = match &settings.region_secret {
-            Some(secret) => Some(secret.clone()),
-            None => RegionSecret::load(
-                settings.region_secret_file.as_deref(),
-                std::env::var("KEYFENCE_REGION_SECRET").ok().as_deref(),
-            )
-            .map_err(|why| StartupError::Settings(vec![why]))?,
-        };
+        let secret = settings.find_region_secret().map_err(|why| StartupError::Settings(vec![why]))?;
         if secret.is_none() {
             tracing::warn!(
                 "no region secret (KEYFENCE_REGION_SECRET_FILE or KEYFENCE_REGION_SECRET): this region neither asks \
@@ -232,7 +233,7 @@ impl Application {
             body_limit: settings.body_limit,
             webhooks: endpoints.clone(),
             webhook_targets: TargetPolicy { allow_private: settings.webhooks_allow_private },
-            rail_secrets: settings.rail_secrets.clone().unwrap_or_else(RailSecrets::from_env),
+            rail_secrets: settings.find_rail_secrets(),
         };
         match advertisable(&url, settings.local_regions) {
             Ok(()) => {

@@ -5,9 +5,9 @@
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use keyfence::clients::ClientStore;
-use keyfence::config::KeyStoreSettings;
 use keyfence::domain::{ApiKey, Millis};
 use keyfence::keystore;
+use keyfence::keystore::KeyStoreSettings;
 
 /// API clients are global: created once, they work in every region.
 #[derive(Subcommand)]

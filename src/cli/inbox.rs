@@ -7,8 +7,8 @@
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use keyfence::config::LedgerSettings;
 use keyfence::ledger::Ledger;
+use keyfence::ledger::LedgerSettings;
 
 #[derive(Subcommand)]
 pub enum InboxCommand {

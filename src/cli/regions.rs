@@ -3,8 +3,9 @@
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use keyfence::config::{KeyStoreSettings, LedgerSettings};
 use keyfence::keystore;
+use keyfence::keystore::KeyStoreSettings;
+use keyfence::ledger::LedgerSettings;
 use keyfence::ledger::{FenceChange, Ledger};
 use keyfence::regions::{self, Changed, RegionState, RegionStore};
 
@@ -63,7 +64,7 @@ pub struct RemoteLedger {
 impl RemoteLedger {
     /// The ledger named, if any; a password on the command line is refused
     /// (and not repeated).
-    fn url(&self) -> anyhow::Result<Option<keyfence::config::DatabaseUrl>> {
+    fn url(&self) -> anyhow::Result<Option<keyfence::ledger::DatabaseUrl>> {
         let raw = match (&self.ledger, &self.ledger_file) {
             (Some(url), _) => {
                 let with_password = reqwest::Url::parse(url).is_ok_and(|u| u.password().is_some());
@@ -88,7 +89,7 @@ impl RemoteLedger {
 
 pub async fn list_regions(
     keys: &KeyStoreSettings,
-    ledger: Option<&keyfence::config::DatabaseUrl>,
+    ledger: Option<&keyfence::ledger::DatabaseUrl>,
     json: bool,
 ) -> anyhow::Result<()> {
     let store = RegionStore::new(keystore::connect(keys).await?, keys.table.clone());

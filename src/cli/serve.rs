@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use keyfence::config::{KeyStoreSettings, LedgerSettings, ServeSettings};
+use keyfence::config::ServeSettings;
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::keystore::TableChange;
+use keyfence::ledger::LedgerSettings;
 use keyfence::startup::{self, Application, MigrateOptions, StartupError, shutdown_signal};
 
 /// Exit status 2 when the settings cannot work together (or are left at

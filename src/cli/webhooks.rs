@@ -6,10 +6,11 @@
 use anyhow::Context;
 use clap::Subcommand;
 use keyfence::clients::{ClientStore, ClientsError};
-use keyfence::config::{KeyStoreSettings, LedgerSettings};
 use keyfence::domain::ClientId;
 use keyfence::keystore;
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::ledger::Ledger;
+use keyfence::ledger::LedgerSettings;
 use keyfence::webhooks::deliveries::{Deliveries, Listed, Redeliver};
 use keyfence::webhooks::{self, EndpointStore, TargetPolicy};
 use time::OffsetDateTime;

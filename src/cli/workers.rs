@@ -6,10 +6,12 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use keyfence::config::{EngineConfig, KeyStoreSettings, LedgerSettings};
+use keyfence::config::EngineConfig;
 use keyfence::domain::Millis;
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::keystore::{self, DynamoKeyStore, KeyStore};
 use keyfence::ledger::Ledger;
+use keyfence::ledger::LedgerSettings;
 use keyfence::{reconcile, recovery, startup};
 
 #[derive(Args)]

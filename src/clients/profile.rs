@@ -10,7 +10,8 @@ use std::collections::{BTreeSet, HashMap};
 use aws_sdk_dynamodb::types::AttributeValue;
 use serde::Serialize;
 
-use super::store::{ClientStore, ClientsError, number, record_pk, store};
+use super::ClientRecord;
+use super::store::{ClientStore, ClientsError, decode as decode_record, number, record_pk, s, store};
 use crate::domain::{ClientId, PaymentRequest};
 
 /// What a client may pay from, and within which limits.
@@ -81,6 +82,20 @@ pub struct Limits {
 }
 
 impl ClientStore {
+    /// Client `id`'s record and profile, if it exists.
+    pub async fn record(&self, id: ClientId) -> Result<Option<(ClientRecord, Profile)>, ClientsError> {
+        let out = self
+            .client()
+            .get_item()
+            .table_name(self.table())
+            .key("pk", s(record_pk(id)))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(store)?;
+        out.item().map(|item| Ok((decode_record(item)?, decode(item)?))).transpose()
+    }
+
     /// The profile of client `id` (empty if it has none, or is unknown).
     pub async fn profile(&self, id: ClientId) -> Result<Profile, ClientsError> {
         Ok(self.record(id).await?.map(|(_, profile)| profile).unwrap_or_default())

@@ -174,20 +174,6 @@ impl ClientStore {
         out.item().map(|item| text(item, "client_id")?.parse().map_err(|_| malformed("client_id"))).transpose()
     }
 
-    /// Client `id`'s record and profile, if it exists.
-    pub async fn record(&self, id: ClientId) -> Result<Option<(ClientRecord, super::Profile)>, ClientsError> {
-        let out = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key("pk", s(record_pk(id)))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(store)?;
-        out.item().map(|item| Ok((decode(item)?, super::profile::decode(item)?))).transpose()
-    }
-
     /// Every client, oldest first: the index's `clients` partition, then
     /// the records it names (100 a read).
     pub async fn list(&self) -> Result<Vec<ClientRecord>, ClientsError> {

@@ -41,8 +41,8 @@ pub use hand_on::PeerInboxes;
 pub use peers::Peers;
 pub use probes::Readiness;
 pub use problem::ApiError;
-pub use signed::{Asking, RegionSecret};
-pub use throttle::Throttle;
+pub use signed::Asking;
+pub use throttle::{FairUseSettings, Throttle};
 
 /// The header naming each request in its answer (and in the caller's logs).
 const REQUEST_ID: &str = "request-id";
@@ -65,7 +65,7 @@ pub struct AppState {
     /// Where a webhook endpoint may point.
     pub webhook_targets: crate::webhooks::TargetPolicy,
     /// The secrets the rails sign their notifications with.
-    pub rail_secrets: crate::inbox::RailSecrets,
+    pub rail_secrets: crate::domain::RailSecrets,
 }
 
 impl AppState {

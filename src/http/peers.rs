@@ -21,8 +21,9 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::Value;
 
 use super::ApiError;
-use super::signed::{Asking, FORWARDED, MAX_ANSWER, RegionSecret, now};
+use super::signed::{Asking, FORWARDED, MAX_ANSWER, now};
 use crate::domain::ClientId;
+use crate::domain::RegionSecret;
 use crate::regions::Registry;
 
 /// How long another region gets to answer.

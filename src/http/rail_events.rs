@@ -26,9 +26,9 @@ use super::hand_on::{HANDED, digest};
 use super::peers::check_target;
 use super::signed::ForwardedFrom;
 use super::{ApiError, AppState};
+use crate::domain::webhook_signature as signature;
 use crate::inbox;
 use crate::ledger::inbox::{Arrival, Signed};
-use crate::webhooks::signature;
 
 pub async fn receive(
     State(state): State<AppState>,

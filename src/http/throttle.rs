@@ -13,17 +13,52 @@ use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use clap::Args;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use quick_cache::sync::{Cache, GuardResult};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::clients::Profile;
-use crate::config::FairUseSettings;
 use crate::domain::{ClientId, IdempotencyKey, ScopedKey};
 
 /// Clients whose buckets are kept at most (a bucket evicted starts full).
 const BUCKETS: usize = 100_000;
+
+/// What one client may take of one instance (every client alike, unless
+/// `keyfence clients limits` gives it its own), and what all of them may.
+/// Per instance: behind a load balancer over N instances a client gets up
+/// to N times these.
+#[derive(Args, Clone, Copy, Debug)]
+pub struct FairUseSettings {
+    /// Requests a second one client may make (its token bucket's refill).
+    #[arg(long = "client-rate", env = "KEYFENCE_CLIENT_RATE", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub client_rate: u32,
+    /// Requests one client may make at once after a quiet spell (the bucket's size).
+    #[arg(long = "client-burst", env = "KEYFENCE_CLIENT_BURST", default_value_t = 200,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub client_burst: u32,
+    /// Payments one client may have in flight at once.
+    #[arg(long = "client-in-flight", env = "KEYFENCE_CLIENT_IN_FLIGHT", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub client_in_flight: u32,
+    /// Payment tasks in flight at once, all clients together (past it: 503, nothing claimed).
+    #[arg(long = "max-payment-tasks", env = "KEYFENCE_MAX_PAYMENT_TASKS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_payment_tasks: u32,
+    /// API keys never seen by this instance it looks up a second (twice that at once; past it: 503):
+    /// what a flood of made-up keys costs the key table at most.
+    #[arg(long = "new-key-lookups", env = "KEYFENCE_NEW_KEY_LOOKUPS", default_value_t = 200,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub new_key_lookups: u32,
+}
+
+impl Default for FairUseSettings {
+    fn default() -> Self {
+        Self { client_rate: 100, client_burst: 200, client_in_flight: 16, max_payment_tasks: 256, new_key_lookups: 200 }
+    }
+}
 
 /// Why a request was turned away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

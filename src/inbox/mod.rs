@@ -37,7 +37,6 @@
 pub mod hand;
 pub mod worker;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use sqlx::{Postgres, Transaction};
@@ -54,40 +53,6 @@ use crate::operations::{
     refund_returnable,
 };
 use crate::rail::{Notice, Returned};
-
-/// The secret each rail signs its notifications with, by the name in its
-/// path (`e1`, `e2`): a rail without one is not listened to.
-#[derive(Clone, Default)]
-pub struct RailSecrets(BTreeMap<String, String>);
-
-impl RailSecrets {
-    pub fn new(secrets: BTreeMap<String, String>) -> Self {
-        Self(secrets)
-    }
-
-    /// `KEYFENCE_E1_NOTIFY_SECRET` and `KEYFENCE_E2_NOTIFY_SECRET`, where set.
-    pub fn from_env() -> Self {
-        let secrets = ["e1", "e2"]
-            .into_iter()
-            .filter_map(|rail| {
-                let secret = std::env::var(format!("KEYFENCE_{}_NOTIFY_SECRET", rail.to_uppercase())).ok()?;
-                Some((rail.to_owned(), secret)).filter(|(_, s)| !s.is_empty())
-            })
-            .collect();
-        Self(secrets)
-    }
-
-    pub fn get(&self, rail: &str) -> Option<&str> {
-        self.0.get(rail).map(String::as_str)
-    }
-}
-
-/// Never shows a secret.
-impl std::fmt::Debug for RailSecrets {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_set().entries(self.0.keys()).finish()
-    }
-}
 
 /// The message in `signed`, signed as `id`; an error says what is wrong.
 pub fn parse(rail: &str, id: &str, signed: Signed) -> Result<Message, String> {

@@ -23,7 +23,7 @@ use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
-use super::dynamo::{Failure, classify, store_error};
+use super::failure::{Failure, classify, store_error};
 use super::item::{CONTROL_PREFIX, attr, malformed, n, s};
 use super::{KeyStoreError, StoreFailure};
 use crate::domain::{ClientId, IdempotencyKey, Millis, ScopedKey};

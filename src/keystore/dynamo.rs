@@ -15,20 +15,17 @@ use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::config::{Credentials, Region};
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
-use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
-use aws_sdk_dynamodb::operation::put_item::PutItemError;
-use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{
     AttributeValue, PutRequest, ReturnValue, ReturnValuesOnConditionCheckFailure, WriteRequest,
 };
 
 use super::balance::{Balance, Concluded, Conclusion, Frozen, HeldBy, Hold, Holding};
+use super::failure::{ConditionFailure, Failure, classify, store_error};
 use super::item::{CONTROL_PREFIX, attr, decode, decode_stale, encode, encode_response, n, s, shard_name};
 use super::{
-    Claim, Finish, Handoff, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, Lease, Release,
-    ScanPage, StaleKey, StoreFailure, balance, handoff,
+    Claim, Finish, Handoff, Holder, INFLIGHT_INDEX, KeyItem, KeyState, KeyStore, KeyStoreError, KeyStoreSettings,
+    Lease, Release, ScanPage, StaleKey, StoreFailure, balance, handoff,
 };
-use crate::config::KeyStoreSettings;
 use crate::domain::{Fence, Millis, Owner, ScopedKey};
 use crate::metrics::Timer;
 use uuid::Uuid;
@@ -651,13 +648,6 @@ fn names_for(used: &[&str]) -> HashMap<String, String> {
     names().into_iter().filter(|(k, _)| used.contains(&k.as_str())).collect()
 }
 
-/// A failed request: either its condition did not hold (with the item as it
-/// stood, when it exists) or the store itself failed.
-pub(super) enum Failure {
-    Condition(Option<Attrs>),
-    Store(KeyStoreError),
-}
-
 /// For a claim or an owner replacement, a failed condition is our own
 /// earlier success (a retried request whose first delivery landed) when the
 /// item shows it (`ours`); otherwise the key is taken.
@@ -680,77 +670,4 @@ fn fenced_out(failure: Failure) -> Result<KeyStoreError, KeyStoreError> {
         }
         Failure::Store(e) => Err(e),
     }
-}
-
-/// The operations whose errors can be a failed condition.
-pub(super) trait ConditionFailure {
-    /// `Some(item)` if the error is a failed condition, with the old item.
-    fn condition_item(&self) -> Option<Option<&Attrs>>;
-}
-
-impl ConditionFailure for PutItemError {
-    fn condition_item(&self) -> Option<Option<&Attrs>> {
-        match self {
-            PutItemError::ConditionalCheckFailedException(e) => Some(e.item()),
-            _ => None,
-        }
-    }
-}
-
-impl ConditionFailure for UpdateItemError {
-    fn condition_item(&self) -> Option<Option<&Attrs>> {
-        match self {
-            UpdateItemError::ConditionalCheckFailedException(e) => Some(e.item()),
-            _ => None,
-        }
-    }
-}
-
-impl ConditionFailure for DeleteItemError {
-    fn condition_item(&self) -> Option<Option<&Attrs>> {
-        match self {
-            DeleteItemError::ConditionalCheckFailedException(e) => Some(e.item()),
-            _ => None,
-        }
-    }
-}
-
-pub(super) fn classify<E>(err: SdkError<E, HttpResponse>) -> Failure
-where
-    E: ConditionFailure + ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
-{
-    if let Some(item) = err.as_service_error().and_then(ConditionFailure::condition_item) {
-        return Failure::Condition(item.cloned());
-    }
-    Failure::Store(store_error(err))
-}
-
-/// Separates throttling and unavailability (transient, worth a client retry)
-/// from faults (configuration or data problems).
-pub(super) fn store_error<E>(err: SdkError<E, HttpResponse>) -> KeyStoreError
-where
-    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
-{
-    let kind = match &err {
-        SdkError::ServiceError(ctx) => match ctx.err().code() {
-            Some("ProvisionedThroughputExceededException" | "RequestLimitExceeded" | "ThrottlingException") => {
-                KeyStoreError::Throttled
-            }
-            // A write that raced another region's write on the same item
-            // (multi-Region strong consistency): nothing was applied.
-            Some(
-                "InternalServerError"
-                | "ServiceUnavailable"
-                | "ReplicatedWriteConflictException"
-                | "TransactionConflictException",
-            ) => KeyStoreError::Unavailable,
-            _ if ctx.raw().status().is_server_error() => KeyStoreError::Unavailable,
-            _ => KeyStoreError::Fault,
-        },
-        SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => {
-            KeyStoreError::Unavailable
-        }
-        _ => KeyStoreError::Fault,
-    };
-    kind(StoreFailure::of(err))
 }

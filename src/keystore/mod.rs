@@ -14,9 +14,11 @@ mod attempts;
 mod balance;
 mod dynamo;
 mod error;
+mod failure;
 mod handoff;
 mod item;
 mod memory;
+mod settings;
 mod table;
 
 use std::future::Future;
@@ -33,6 +35,7 @@ pub use handoff::Handoff;
 pub use item::attr::{INFLIGHT as INDEX_PARTITION, LEASE_UNTIL as INDEX_SORT};
 pub use item::{CONTROL_PREFIX, INFLIGHT_SHARDS, KeyItem, KeyState, StaleKey, inflight_shard, shard_name};
 pub use memory::MemoryKeyStore;
+pub use settings::KeyStoreSettings;
 pub use table::{INFLIGHT_INDEX, Schema, TableChange, TableCheck, check_table, delete_table, ensure_table};
 
 /// A lease as the caller sees it: taken at `now`, held for `length`.

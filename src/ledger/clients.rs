@@ -3,12 +3,22 @@
 //! the key table so an upgrade loses none.
 
 use super::{Ledger, LedgerError};
-use crate::clients::ClientRecord;
 use crate::domain::ClientId;
 
+/// A client as a ledger held it: one key, never revoked.
+#[derive(Debug)]
+pub struct LegacyClient {
+    pub id: ClientId,
+    pub name: String,
+    /// Milliseconds since the epoch.
+    pub created_at: u64,
+    /// The digest of its API key.
+    pub digest: String,
+}
+
 impl Ledger {
-    /// Every client this ledger holds, with the digest of its API key.
-    pub async fn legacy_clients(&self) -> Result<Vec<(ClientRecord, String)>, LedgerError> {
+    /// Every client this ledger holds.
+    pub async fn legacy_clients(&self) -> Result<Vec<LegacyClient>, LedgerError> {
         let rows: Vec<(uuid::Uuid, String, String, time::OffsetDateTime)> =
             sqlx::query_as("SELECT id, name, api_key_hash, created_at FROM clients ORDER BY created_at")
                 .fetch_all(&self.pool)
@@ -17,7 +27,7 @@ impl Ledger {
             .into_iter()
             .map(|(id, name, digest, created_at)| {
                 let created_at = u64::try_from(created_at.unix_timestamp_nanos() / 1_000_000).unwrap_or_default();
-                (ClientRecord { id: ClientId::new(id), name, created_at, revoked_at: None, keys: Vec::new() }, digest)
+                LegacyClient { id: ClientId::new(id), name, created_at, digest }
             })
             .collect())
     }

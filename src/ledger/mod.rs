@@ -18,6 +18,7 @@ mod phase;
 pub mod refunds;
 mod region_fence;
 pub mod routes;
+mod settings;
 mod subjects;
 pub mod views;
 pub mod writes;
@@ -28,12 +29,13 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use time::OffsetDateTime;
 
-use crate::config::LedgerSettings;
 use crate::domain::Millis;
 
+pub use clients::LegacyClient;
 pub use error::LedgerError;
 pub use phase::{Adoption, Phase, RequestRecord};
 pub use region_fence::{FenceChange, RegionFence};
+pub use settings::{DatabaseUrl, LedgerSettings};
 
 /// How long to wait for a connection: an unreachable database fails
 /// start-up in seconds, and an exhausted pool is reported as unavailable.

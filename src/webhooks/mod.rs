@@ -12,22 +12,24 @@
 //! after the commit by the delivery worker ([`worker`]): each event and
 //! endpoint is a delivery of its own ([`deliveries`]) with a `webhook-id`
 //! fixed once ([`webhook_id`]), signed the Standard Webhooks way
-//! ([`signature`]), sent to checked addresses only ([`send`]) and retried
+//! ([`crate::domain::webhook_signature`]), sent to checked addresses only ([`send`]) and retried
 //! on a schedule ([`schedule`]).
 
 pub mod deliveries;
 pub mod queue;
 pub mod schedule;
 pub mod send;
-pub mod signature;
+pub mod settings;
 pub mod store;
 pub mod target;
 pub mod worker;
 
-use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::domain::WebhookSecret;
+
+pub use settings::DeliverySettings;
 pub use store::{EndpointStore, WebhooksError};
 pub use target::TargetPolicy;
 
@@ -82,7 +84,7 @@ pub struct Endpoint {
     /// Milliseconds since the epoch.
     pub created_at: u64,
     /// The secrets that sign, newest first; a previous one until its grace ends.
-    pub secrets: Vec<Secret>,
+    pub secrets: Vec<WebhookSecret>,
     /// Deliveries that used up their schedule since the last one that
     /// arrived: more than none flags the endpoint as failing.
     #[serde(default)]
@@ -98,44 +100,6 @@ pub struct Disabled {
     pub reason: String,
     /// Milliseconds since the epoch.
     pub at: u64,
-}
-
-/// A signing secret and until when it signs (`None`: the current one).
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Secret {
-    pub value: String,
-    pub created_at: u64,
-    pub valid_until: Option<u64>,
-}
-
-/// Never shows the secret itself.
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Secret")
-            .field("value", &"<redacted>")
-            .field("created_at", &self.created_at)
-            .field("valid_until", &self.valid_until)
-            .finish()
-    }
-}
-
-impl Secret {
-    /// A new secret: `whsec_` and 32 bytes in base64, the SHA-256 of three
-    /// random UUIDs (366 random bits).
-    pub fn generate(now: u64) -> Self {
-        use sha2::Digest as _;
-        let mut seed = sha2::Sha256::new();
-        for _ in 0..3 {
-            seed.update(Uuid::new_v4().as_bytes());
-        }
-        let value = format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(seed.finalize()));
-        Self { value, created_at: now, valid_until: None }
-    }
-
-    /// Whether it still signs at `now`.
-    pub fn signs_at(&self, now: u64) -> bool {
-        self.valid_until.is_none_or(|until| now < until)
-    }
 }
 
 impl Endpoint {
@@ -169,7 +133,7 @@ impl Endpoint {
     }
 
     /// The secrets that sign at `now`, newest first.
-    pub fn signing_secrets(&self, now: u64) -> Vec<&Secret> {
+    pub fn signing_secrets(&self, now: u64) -> Vec<&WebhookSecret> {
         self.secrets.iter().filter(|s| s.signs_at(now)).collect()
     }
 }
@@ -195,15 +159,6 @@ pub fn checked_events(requested: &[String]) -> Result<Vec<String>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn secrets_are_standard_webhooks_secrets_and_never_shown_in_debug() {
-        let secret = Secret::generate(1);
-        let raw = secret.value.strip_prefix("whsec_").unwrap();
-        assert_eq!(base64::engine::general_purpose::STANDARD.decode(raw).unwrap().len(), 32);
-        assert_ne!(secret.value, Secret::generate(1).value);
-        assert!(!format!("{secret:?}").contains(raw));
-    }
 
     #[test]
     fn ids_are_fixed_by_what_they_name() {

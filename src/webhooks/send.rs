@@ -124,7 +124,7 @@ mod tests {
     use super::*;
 
     fn signed() -> [(&'static str, String); 3] {
-        super::super::signature::headers(&[], "msg_1", b"{}")
+        crate::domain::webhook_signature::headers(&[], "msg_1", b"{}")
     }
 
     /// An address inside the network is refused when it is sent to, not

@@ -14,7 +14,8 @@ use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
 use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
-use super::{Disabled, Endpoint, MAX_ENDPOINTS, Secret};
+use super::{Disabled, Endpoint, MAX_ENDPOINTS};
+use crate::domain::WebhookSecret;
 use crate::domain::{ClientId, Millis};
 
 const ITEM: &str = "control#webhooks#client#";
@@ -66,7 +67,7 @@ impl EndpointStore {
             url: url.to_owned(),
             events,
             created_at: now,
-            secrets: vec![Secret::generate(now)],
+            secrets: vec![WebhookSecret::generate(now)],
             failed_deliveries: 0,
             disabled: None,
         };
@@ -97,7 +98,7 @@ impl EndpointStore {
     pub async fn rotate(&self, owner: ClientId, id: Uuid, grace: Duration) -> Result<Endpoint, WebhooksError> {
         let now = Millis::now().get();
         let until = now.saturating_add(u64::try_from(grace.as_millis()).unwrap_or(u64::MAX));
-        let fresh = Secret::generate(now);
+        let fresh = WebhookSecret::generate(now);
         self.update(owner, id, |endpoint| {
             endpoint.secrets.retain(|s| s.signs_at(now));
             for secret in &mut endpoint.secrets {

@@ -20,8 +20,8 @@ use uuid::Uuid;
 
 use super::deliveries::{Deliveries, Outcome, Queued, Taken, Target};
 use super::send::{Response, Sender};
-use super::{Endpoint, EndpointStore, signature, webhook_id};
-use crate::config::DeliverySettings;
+use super::{DeliverySettings, Endpoint, EndpointStore, webhook_id};
+use crate::domain::webhook_signature as signature;
 use crate::domain::{ClientId, IdempotencyKey, Millis, ScopedKey};
 use crate::engine::{Moved, moved_away};
 use crate::failpoint;

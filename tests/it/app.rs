@@ -6,14 +6,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use keyfence::clients::ClientStore;
-use keyfence::config::{DeliverySettings, EngineConfig, PartitionSettings, RailSettings, ServeSettings, WorkSettings};
+use keyfence::config::{EngineConfig, PartitionSettings, RailSettings, ServeSettings, WorkSettings};
 use keyfence::domain::{ApiKey, ClientId};
-use keyfence::http::RegionSecret;
-use keyfence::inbox::RailSecrets;
+use keyfence::domain::{RailSecrets, RegionSecret};
 use keyfence::keystore::CONTROL_PREFIX;
 use keyfence::rail::sim::Simulator;
 use keyfence::rail::{Applied, Declined};
 use keyfence::startup::Application;
+use keyfence::webhooks::DeliverySettings;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 

@@ -5,9 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use keyfence::config::{KeyStoreSettings, LedgerSettings};
 use keyfence::domain::{ClientId, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey};
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::keystore::{self, Claim, DynamoKeyStore, Lease};
+use keyfence::ledger::LedgerSettings;
 use keyfence::ledger::{self, Ledger};
 use uuid::Uuid;
 

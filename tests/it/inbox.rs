@@ -9,11 +9,12 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use keyfence::domain::WebhookSecret;
+use keyfence::domain::webhook_signature as signature;
 use keyfence::domain::{IdempotencyKey, ScopedKey};
 use keyfence::keystore::{Handoff, KeyState, KeyStore};
 use keyfence::operations::RefundOperation;
 use keyfence::rail::sim::notify::Callback;
-use keyfence::webhooks::{Secret, signature};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -207,7 +208,7 @@ async fn a_return_that_overtakes_its_settlement_waits_for_it() {
 async fn post_notice(app: &TestApp, rail: &str, secret: &str, timestamp: i64, body: &Value) -> StatusCode {
     let body = serde_json::to_vec(body).unwrap();
     let id = body_id(&body);
-    let secret = Secret { value: secret.to_owned(), created_at: 0, valid_until: None };
+    let secret = WebhookSecret { value: secret.to_owned(), created_at: 0, valid_until: None };
     app.http
         .post(format!("{}/v1/rail-events/{rail}", app.url))
         .header("content-type", "application/json")
@@ -241,7 +242,7 @@ async fn a_notification_for_nothing_of_ours_is_kept_and_an_unsigned_one_refused(
             "applied_at": "2026-12-01T00:00:00Z",
         },
     });
-    let other = Secret::generate(0).value;
+    let other = WebhookSecret::generate(0).value;
     assert_eq!(post_notice(&app, "e2", &other, now, &notice).await, StatusCode::UNAUTHORIZED, "another secret");
     assert_eq!(post_notice(&app, "e2", RAIL_NOTIFY_SECRET, now - 600, &notice).await, StatusCode::UNAUTHORIZED);
     assert_eq!(post_notice(&app, "e9", RAIL_NOTIFY_SECRET, now, &notice).await, StatusCode::NOT_FOUND);

@@ -16,7 +16,8 @@ use keyfence::startup::build_engine;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use keyfence::webhooks::{Secret, signature};
+use keyfence::domain::WebhookSecret;
+use keyfence::domain::webhook_signature as signature;
 
 use crate::app::{RAIL_NOTIFY_SECRET, TestApp, payment};
 use crate::harness::eventually;
@@ -213,7 +214,7 @@ async fn a_message_waiting_to_be_handed_on_is_taken_back_once_the_request_is_ado
     let applied = app.e2.statement().await[0].clone();
     let notice = json!({ "type": "instruction.applied", "id": "evt_e2_adopted", "applied": applied });
     let raw = serde_json::to_vec(&notice).unwrap();
-    let secret = Secret { value: RAIL_NOTIFY_SECRET.to_owned(), created_at: 0, valid_until: None };
+    let secret = WebhookSecret { value: RAIL_NOTIFY_SECRET.to_owned(), created_at: 0, valid_until: None };
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
     let posted = app
         .http

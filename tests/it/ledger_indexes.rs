@@ -5,8 +5,8 @@
 //! statistics count the rows each read, as planned for a table of that
 //! size.
 
-use keyfence::config::LedgerSettings;
 use keyfence::ledger::Ledger;
+use keyfence::ledger::LedgerSettings;
 use keyfence::ledger::inbox::{Arrival, Message};
 use serde_json::json;
 use uuid::Uuid;

@@ -4,8 +4,8 @@
 //! `verify-full` against another CA is refused with an error that says so,
 //! by the library and by `keyfence migrate` alike.
 
-use keyfence::config::{DatabaseUrl, LedgerSettings};
 use keyfence::ledger::Ledger;
+use keyfence::ledger::{DatabaseUrl, LedgerSettings};
 
 use crate::harness::TestLedger;
 

@@ -34,6 +34,7 @@ mod inbox_regions;
 mod keystore_fencing;
 mod keystore_model;
 mod keystore_races;
+mod layers;
 mod ledger_indexes;
 mod ledger_phases;
 mod ledger_tls;

@@ -10,8 +10,9 @@
 use std::time::Duration;
 
 use keyfence::config::{RetentionSettings, ServeSettings};
+use keyfence::domain::RegionSecret;
 use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
-use keyfence::http::{Asking, RegionSecret};
+use keyfence::http::Asking;
 use keyfence::keystore::{INFLIGHT_SHARDS, KeyStore};
 use keyfence::reconcile::{Class, Report};
 use keyfence::regions::{self, RegionState, RegionStore};

@@ -6,10 +6,12 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 use keyfence::clients::ClientStore;
-use keyfence::config::{KeyStoreSettings, LedgerSettings, RailSettings};
+use keyfence::config::RailSettings;
 use keyfence::domain::ApiKey;
 use keyfence::keystore;
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::ledger;
+use keyfence::ledger::LedgerSettings;
 use keyfence::rail;
 use keyfence::startup::shutdown_signal;
 

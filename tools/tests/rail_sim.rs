@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keyfence::webhooks::signature;
+use keyfence::domain::webhook_signature as signature;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 

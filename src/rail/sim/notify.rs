@@ -13,8 +13,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::domain::WebhookSecret;
+use crate::domain::webhook_signature as signature;
 use crate::rail::Notice;
-use crate::webhooks::{Secret, signature};
 use backon::{ExponentialBuilder, Retryable};
 
 /// Where and how the rail posts its notifications.
@@ -91,7 +92,7 @@ impl Notifier {
     /// Sends one copy until it is taken; whether it was.
     async fn send(&self, notice: &Notice) -> bool {
         let body = serde_json::to_vec(notice).expect("a notice serialises");
-        let secret = Secret { value: self.callback.secret.clone(), created_at: 0, valid_until: None };
+        let secret = WebhookSecret { value: self.callback.secret.clone(), created_at: 0, valid_until: None };
         let attempt = || async {
             let mut request = self.http.post(&self.callback.url).header("content-type", "application/json");
             for (name, value) in signature::headers(&[&secret], notice.id(), &body) {

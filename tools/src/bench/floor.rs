@@ -25,11 +25,13 @@ use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use uuid::Uuid;
 
-use keyfence::config::{KeyStoreSettings, LedgerSettings, RailSettings};
+use keyfence::config::RailSettings;
 use keyfence::domain::{
     ClientId, IdempotencyKey, Millis, Owner, PaymentRequest, RequestHash, ScopedKey, StoredResponse,
 };
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::keystore::{self, Claim, DynamoKeyStore, Finish, KeyStore, KeyStoreError, Lease};
+use keyfence::ledger::LedgerSettings;
 use keyfence::ledger::payments::Payment;
 use keyfence::ledger::{self, Ledger};
 use keyfence::rail::{CallOutcome, Instruction, RailClient, Verdict};

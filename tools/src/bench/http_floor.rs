@@ -189,9 +189,11 @@ fn answer(outcome: Result<StoredResponse, String>) -> Response {
 mod tests {
     use std::time::Duration;
 
-    use keyfence::config::{KeyStoreSettings, LedgerSettings, RailSettings};
+    use keyfence::config::RailSettings;
     use keyfence::keystore;
+    use keyfence::keystore::KeyStoreSettings;
     use keyfence::ledger;
+    use keyfence::ledger::LedgerSettings;
     use keyfence::rail::sim::{self, Simulator};
 
     use super::*;

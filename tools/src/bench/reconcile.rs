@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use uuid::Uuid;
 
-use keyfence::config::{KeyStoreSettings, LedgerSettings};
 use keyfence::domain::{ClientId, Fence, IdempotencyKey, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 use keyfence::engine::{Engine, EngineError, EngineSettings, Rails};
+use keyfence::keystore::KeyStoreSettings;
 use keyfence::keystore::{self, DynamoKeyStore, KeyItem, KeyState};
+use keyfence::ledger::LedgerSettings;
 use keyfence::ledger::{self, Ledger, timestamp};
 use keyfence::rail::{RailClient, sim};
 use keyfence::reconcile::{self, Options, Progress};

@@ -9,13 +9,13 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use hmac::{KeyInit, Mac};
 
-use super::Secret;
+use super::WebhookSecret;
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
 /// The `webhook-signature` header for `body` sent as `id` at `timestamp`
 /// (seconds since the epoch), signed with each of `secrets`.
-pub fn header(secrets: &[&Secret], id: &str, timestamp: i64, body: &[u8]) -> String {
+pub fn header(secrets: &[&WebhookSecret], id: &str, timestamp: i64, body: &[u8]) -> String {
     secrets
         .iter()
         .filter_map(|secret| sign(&secret.value, id, timestamp, body))
@@ -26,7 +26,7 @@ pub fn header(secrets: &[&Secret], id: &str, timestamp: i64, body: &[u8]) -> Str
 
 /// The three Standard Webhooks headers of `body` sent as `id` now, signed
 /// with each of `secrets`.
-pub fn headers(secrets: &[&Secret], id: &str, body: &[u8]) -> [(&'static str, String); 3] {
+pub fn headers(secrets: &[&WebhookSecret], id: &str, body: &[u8]) -> [(&'static str, String); 3] {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let timestamp = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
     [
@@ -74,8 +74,8 @@ fn sign(secret: &str, id: &str, timestamp: i64, body: &[u8]) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn secret(value: &str) -> Secret {
-        Secret { value: value.to_owned(), created_at: 0, valid_until: None }
+    fn secret(value: &str) -> WebhookSecret {
+        WebhookSecret { value: value.to_owned(), created_at: 0, valid_until: None }
     }
 
     /// The example the specification's reference libraries test with.
@@ -88,7 +88,7 @@ mod tests {
 
     #[test]
     fn only_a_fresh_signature_by_the_secret_verifies() {
-        let (secret, other) = (Secret::generate(1), Secret::generate(1));
+        let (secret, other) = (WebhookSecret::generate(1), WebhookSecret::generate(1));
         let signed = header(&[&other, &secret], "msg_1", 1000, b"{}");
         assert!(verify(&secret.value, "msg_1", 1000, b"{}", &signed, 1000));
         assert!(verify(&secret.value, "msg_1", 1000, b"{}", &signed, 1000 + 300), "within five minutes");
@@ -105,7 +105,7 @@ mod tests {
 
     #[test]
     fn every_signing_secret_signs() {
-        let (new, old) = (Secret::generate(1), Secret::generate(1));
+        let (new, old) = (WebhookSecret::generate(1), WebhookSecret::generate(1));
         let both = header(&[&new, &old], "msg_1", 1, b"{}");
         let parts: Vec<&str> = both.split(' ').collect();
         assert_eq!(parts, [header(&[&new], "msg_1", 1, b"{}"), header(&[&old], "msg_1", 1, b"{}")]);
