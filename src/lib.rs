@@ -30,10 +30,11 @@
 //!   environment, building the service, logs and trace export, Prometheus
 //!   metrics.
 //!
-//! No room imports one that imports it back, and no two files of a room do
-//! (`tests/it/layers.rs` reads the `crate::` paths and fails on a circle):
-//! what several rooms share, such as secrets and the Standard Webhooks
-//! signature, lives in [`domain`].
+//! No room imports one that imports it back, and no two modules of a room
+//! do (`tests/it/layers.rs` follows every `crate::`, `super::` and `self::`
+//! path to where it is defined and fails on a circle): what several rooms
+//! share, such as secrets and the Standard Webhooks signature, lives in
+//! [`domain`].
 //!
 //! The `keyfence` binary (`src/cli/`) serves and operates; the benchmarks
 //! and the rail simulator's command are in `keyfence-tools` (`tools/`).

@@ -12,32 +12,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use aws_sdk_dynamodb::types::AttributeValue;
-use serde::Serialize;
-
 use super::ClientRecord;
-use super::store::{Attrs, ClientStore, ClientsError, n, number, pointer, pointer_pk, record_pk, s, store, version};
+use super::store::{Attrs, ClientStore, ClientsError, KeyRecord, n, pointer, pointer_pk, record_pk, s, store, version};
 use crate::domain::{ApiKey, ClientId, Millis};
-
-/// Hex digits of the digest that name a key to people.
-const KEY_ID_DIGITS: usize = 12;
 
 /// Times a rotation is tried when the record changes under it.
 const ROTATE_ATTEMPTS: usize = 3;
-
-/// One of a client's keys.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct KeyRecord {
-    #[serde(skip)]
-    pub digest: String,
-    /// The first hex digits of the digest: how a person names the key.
-    pub key_id: String,
-    /// Milliseconds since the epoch, all three.
-    pub created_at: u64,
-    /// Past it, the key is refused (a newer one replaced it).
-    pub valid_until: Option<u64>,
-    pub revoked_at: Option<u64>,
-}
 
 /// What a rotation made (no `Debug`: it holds the key).
 pub struct Rotated {
@@ -46,37 +26,6 @@ pub struct Rotated {
     /// When the keys valid until now stop being valid; `None` if there
     /// were none.
     pub previous_key_valid_until: Option<u64>,
-}
-
-impl KeyRecord {
-    pub(super) fn new(digest: String, created_at: u64) -> Self {
-        let key_id = digest.chars().take(KEY_ID_DIGITS).collect();
-        Self { digest, key_id, created_at, valid_until: None, revoked_at: None }
-    }
-
-    /// Whether the key is valid at `now` (milliseconds since the epoch).
-    pub fn valid_at(&self, now: u64) -> bool {
-        self.revoked_at.is_none() && self.valid_until.is_none_or(|until| now < until)
-    }
-
-    pub(super) fn encode(&self) -> AttributeValue {
-        let mut key = HashMap::from([("created_at".to_owned(), n(self.created_at))]);
-        if let Some(until) = self.valid_until {
-            key.insert("valid_until".to_owned(), n(until));
-        }
-        if let Some(at) = self.revoked_at {
-            key.insert("revoked_at".to_owned(), n(at));
-        }
-        AttributeValue::M(key)
-    }
-
-    pub(super) fn decode(digest: &str, value: &AttributeValue) -> Result<Self, ClientsError> {
-        let AttributeValue::M(key) = value else { return Err(ClientsError::Malformed("keys".into())) };
-        let mut record = Self::new(digest.to_owned(), number(key, "created_at")?.unwrap_or_default());
-        record.valid_until = number(key, "valid_until")?;
-        record.revoked_at = number(key, "revoked_at")?;
-        Ok(record)
-    }
 }
 
 impl ClientRecord {

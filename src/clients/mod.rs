@@ -26,10 +26,10 @@ use tokio::time::Instant;
 
 use crate::domain::{ApiKey, ClientId};
 
-pub use keys::{KeyRecord, Rotated};
+pub use keys::Rotated;
 pub use legacy::Carried;
 pub use profile::{FairUse, Limits, Profile, Refusal};
-pub use store::{ClientStore, ClientsError};
+pub use store::{ClientStore, ClientsError, KeyRecord};
 
 use crate::domain::Millis;
 

@@ -32,7 +32,7 @@ impl RegionSecret {
 
     /// An HMAC-SHA256 under the secret over `fields`, each with its length
     /// first, so no two lists of fields sign alike.
-    pub fn mac(&self, fields: &[&[u8]]) -> Hmac<Sha256> {
+    pub(crate) fn mac(&self, fields: &[&[u8]]) -> Hmac<Sha256> {
         let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
         for field in fields {
             mac.update(&(field.len() as u64).to_be_bytes());

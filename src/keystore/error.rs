@@ -2,7 +2,7 @@
 //! two are answers of the protocol (someone else owns the key); the others are
 //! failures of the store, which callers treat as transient.
 
-use super::KeyItem;
+use super::key_item::KeyItem;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KeyStoreError {

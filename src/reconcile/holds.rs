@@ -8,10 +8,7 @@
 
 use std::collections::HashMap;
 
-use serde::Serialize;
-use uuid::Uuid;
-
-use super::{Class, Finding, Found, Thresholds};
+use super::{Class, Finding, Found, FrozenPayment, Thresholds};
 use crate::domain::RecoveryPoint;
 use crate::engine::{Engine, EngineError, Operation};
 use crate::keystore::{Balance, Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
@@ -51,22 +48,6 @@ pub(super) async fn orphaned<K: KeyStore>(
         }
     }
     Ok(found)
-}
-
-/// A payment a return froze (no refund of it begins) whose return has not
-/// taken effect: it overlaps refunds, or reached a region the payment left.
-/// A person settles the return with the rail; it is listed until it takes
-/// effect.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct FrozenPayment {
-    pub payment_id: Uuid,
-    /// What froze it: the return's message id and rail.
-    pub by: String,
-    #[serde(with = "time::serde::rfc3339")]
-    pub frozen_at: time::OffsetDateTime,
-    /// Refunded (settled) and still held for refunds in flight.
-    pub refunded: i64,
-    pub held: i64,
 }
 
 /// The payments among `balances` frozen by a return that has not taken

@@ -34,9 +34,7 @@ use crate::keystore::{Handoff, KeyItem, KeyStore};
 use crate::ledger::views::{LedgerView, RequestId};
 
 pub use classify::{Class, Orphan, Thresholds, classify, classify_orphan, owned_throughout};
-pub use holds::FrozenPayment;
-pub use repair::Repair;
-pub use report::{Answered, Finding, Report};
+pub use report::{Answered, Finding, FrozenPayment, Repair, Report};
 
 /// A finding with what both stores held, for its repair.
 struct Found {

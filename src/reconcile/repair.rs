@@ -15,23 +15,13 @@
 
 use std::time::Duration;
 
-use serde::Serialize;
-
 use crate::domain::{Millis, Owner, RecoveryPoint};
 use crate::engine::{Answer, Engine, EngineError, Recovery};
 use crate::keystore::{KeyItem, KeyState, KeyStore, KeyStoreError};
 use crate::ledger::views::LedgerView;
 use crate::operations::Registered;
 
-use super::{Class, Found};
-
-/// What a repair did.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Repair {
-    /// True once the stores agree again (by this repair or by another actor).
-    pub resolved: bool,
-    pub action: String,
-}
+use super::{Class, Found, Repair};
 
 /// How long to wait for another actor found at work on the same request.
 const OTHERS_WAIT: Duration = Duration::from_secs(5);

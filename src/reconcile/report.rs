@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Class, FrozenPayment, Repair};
+use super::Class;
 use crate::domain::ScopedKey;
 use crate::ledger::external::Indeterminate;
 use crate::ledger::inbox::Unmatched;
@@ -27,6 +27,30 @@ pub struct Finding {
     pub answered: Option<Answered>,
     /// Present when repairs were asked for.
     pub repair: Option<Repair>,
+}
+
+/// A payment a return froze (no refund of it begins) whose return has not
+/// taken effect: it overlaps refunds, or reached a region the payment left.
+/// A person settles the return with the rail; it is listed until it takes
+/// effect.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct FrozenPayment {
+    pub payment_id: Uuid,
+    /// What froze it: the return's message id and rail.
+    pub by: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub frozen_at: time::OffsetDateTime,
+    /// Refunded (settled) and still held for refunds in flight.
+    pub refunded: i64,
+    pub held: i64,
+}
+
+/// What a repair did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Repair {
+    /// True once the stores agree again (by this repair or by another actor).
+    pub resolved: bool,
+    pub action: String,
 }
 
 /// The copy of a request whose answer clients hold.

@@ -19,7 +19,7 @@ pub mod deliveries;
 pub mod queue;
 pub mod schedule;
 pub mod send;
-pub mod settings;
+mod settings;
 pub mod store;
 pub mod target;
 pub mod worker;

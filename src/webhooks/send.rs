@@ -48,7 +48,7 @@ impl Sender {
         Self { http, allow_private }
     }
 
-    /// POSTs `body` to `url` with its signature `headers` ([`super::signature::headers`]).
+    /// POSTs `body` to `url` with its signature `headers` ([`crate::domain::webhook_signature::headers`]).
     pub async fn send(&self, url: &str, headers: [(&'static str, String); 3], body: Vec<u8>) -> Response {
         // A literal address is never resolved, so it is checked here.
         let parsed = match reqwest::Url::parse(url) {

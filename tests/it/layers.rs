@@ -1,9 +1,13 @@
 //! The crate's rooms form layers: read from the code itself, no top-level
-//! module of `src/` reaches (through `crate::` paths, each file belonging
-//! to its top-level module) a module that reaches it back, and inside a room
-//! no two files import each other round a circle. A circle means no room
-//! can be read, tested or changed without the others in mind; this check
-//! names the circle and the lines that close it.
+//! module of `src/` reaches a module that reaches it back, and inside a
+//! room no two of its modules do. Every `crate::`, `super::` and `self::`
+//! path of a file (groups expanded, inline modules such as `mod tests`
+//! counted, comments and literals blanked) is followed to the module that
+//! defines what it names, through the `use` lines that re-export it, and
+//! counts as an import between the two siblings under the modules' common
+//! parent. A circle means no room can be read, tested or changed without
+//! the others in mind; the check names the circle and the lines that close
+//! it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -15,53 +19,139 @@ const KNOWN_INNER: &[&[&str]] = &[&["ledger/external", "ledger/phase", "ledger/r
 
 #[test]
 fn no_room_of_the_crate_reaches_back_to_a_room_that_reaches_it() {
-    let files = sources(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
-    assert!(files.len() > 50, "read {} files of src/", files.len());
-    let mut rooms = Graph::default();
-    for (module, text) in &files {
-        let room = &module[0];
-        if matches!(room.as_str(), "lib" | "main") {
-            continue;
-        }
-        for path in paths(text, "crate") {
-            let Some(to) = path.first() else { continue };
-            if to != room && files.keys().any(|m| m.first() == Some(to)) {
-                rooms.add(room, to, module, &path);
-            }
-        }
-    }
+    let krate = Crate::read();
+    assert!(krate.files.len() > 50, "read {} files of src/", krate.files.len());
+    let rooms = krate.imports(true);
     let circles = rooms.circles();
     assert!(circles.is_empty(), "the top-level modules import each other round a circle:\n{}", rooms.explain(&circles));
 }
 
 #[test]
-fn no_two_files_of_a_room_import_each_other_round_a_circle() {
-    let files = sources(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
-    let mut siblings = Graph::default();
-    for (module, text) in &files {
-        let Some((_, parent)) = module.split_last().filter(|(_, parent)| !parent.is_empty()) else { continue };
-        let from = module.join("/");
-        let found = paths(text, "crate")
-            .into_iter()
-            .chain(paths(text, "super").into_iter().map(|p| [parent, p.as_slice()].concat()));
-        for path in found {
-            let Some(sibling) = path.strip_prefix(parent).and_then(|rest| rest.first()) else { continue };
-            let to = [parent, std::slice::from_ref(sibling)].concat();
-            if to != *module && files.contains_key(&to) {
-                siblings.add(&from, &to.join("/"), module, &path);
-            }
-        }
-    }
-    let circles: Vec<_> = siblings
+fn no_two_modules_of_a_room_import_each_other_round_a_circle() {
+    let inner = Crate::read().imports(false);
+    let circles: Vec<_> = inner
         .circles()
         .into_iter()
         .filter(|circle| !KNOWN_INNER.iter().any(|known| circle.iter().map(String::as_str).eq(known.iter().copied())))
         .collect();
-    assert!(circles.is_empty(), "files of one room import each other round a circle:\n{}", siblings.explain(&circles));
+    assert!(circles.is_empty(), "modules of one room import each other round a circle:\n{}", inner.explain(&circles));
 }
 
-/// Every `.rs` file under `root`, by its module path (`keystore/mod.rs` is
-/// `["keystore"]`, `src/lib.rs` is `["lib"]`), comments and literals blanked.
+/// The crate's files, and what each module's `use` lines bring in.
+struct Crate {
+    /// Each file's code by its module path (`keystore/mod.rs` is
+    /// `["keystore"]`); `lib.rs` and `main.rs` are left out.
+    files: BTreeMap<Vec<String>, String>,
+    /// What a name in a module stands for: the absolute path a `use` of
+    /// the module gives it.
+    uses: BTreeMap<(Vec<String>, String), Vec<String>>,
+}
+
+impl Crate {
+    fn read() -> Self {
+        let files = sources(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+        let mut uses = BTreeMap::new();
+        for (module, code) in &files {
+            let inline = inline_modules(code);
+            for (at, written) in use_lines(code) {
+                let absolute = match written.path.first().map(String::as_str) {
+                    Some("crate" | "super" | "self") => absolute(module, &inline, at, &written.path),
+                    Some(first) if files.contains_key(&[module.clone(), vec![first.to_owned()]].concat()) => {
+                        Some([module.as_slice(), written.path.as_slice()].concat())
+                    }
+                    _ => None,
+                };
+                if let Some(path) = absolute {
+                    uses.insert((module.clone(), written.name().to_owned()), path);
+                }
+            }
+        }
+        Self { files, uses }
+    }
+
+    /// The module that defines what the absolute `path` names.
+    fn home(&self, path: &[String], depth: usize) -> Vec<String> {
+        let mut module = Vec::new();
+        for segment in path {
+            let child = [module.as_slice(), std::slice::from_ref(segment)].concat();
+            if self.files.contains_key(&child) {
+                module = child;
+            } else if let Some(target) = self.uses.get(&(module.clone(), segment.clone())).filter(|_| depth < 8) {
+                return self.home(target, depth + 1);
+            } else {
+                break;
+            }
+        }
+        module
+    }
+
+    /// The imports between siblings: of the top-level modules (`top`), or
+    /// of the modules inside one module.
+    fn imports(&self, top: bool) -> Graph {
+        let mut graph = Graph::default();
+        for (module, code) in &self.files {
+            let inline = inline_modules(code);
+            for (at, written) in references(code) {
+                let Some(path) = absolute(module, &inline, at, &written.path) else { continue };
+                let home = self.home(&path, 0);
+                let shared = module.iter().zip(&home).take_while(|(a, b)| a == b).count();
+                if shared >= module.len() || shared >= home.len() || (shared == 0) != top {
+                    continue;
+                }
+                let from = module[..=shared].join("/");
+                let to = home[..=shared].join("/");
+                graph.add(&from, &to, module, &written.path);
+            }
+        }
+        graph
+    }
+}
+
+/// `path` as written at byte `at` of `module`'s code, made absolute: `self`
+/// and `super` counted from the inline module the path is written in.
+fn absolute(module: &[String], inline: &[(usize, usize, String)], at: usize, path: &[String]) -> Option<Vec<String>> {
+    let mut base: Vec<String> = module.to_vec();
+    base.extend(inline.iter().filter(|(start, end, _)| (*start..*end).contains(&at)).map(|m| m.2.clone()));
+    match path.first().map(String::as_str) {
+        Some("crate") => Some(path[1..].to_vec()),
+        Some("self") => Some([base.as_slice(), &path[1..]].concat()),
+        Some("super") => {
+            let ups = path.iter().take_while(|s| *s == "super").count();
+            let kept = base.len().checked_sub(ups)?;
+            Some([&base[..kept], &path[ups..]].concat())
+        }
+        _ => None,
+    }
+}
+
+/// The inline modules of `code` (`mod tests { .. }`): where each opens and
+/// closes, and its name, outermost first.
+fn inline_modules(code: &str) -> Vec<(usize, usize, String)> {
+    let mut found = Vec::new();
+    for (at, _) in code.match_indices("mod ") {
+        if at > 0 && code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let rest = &code[at + 4..];
+        let name_end = rest.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(rest.len());
+        let Some(body) = rest[name_end..].trim_start().strip_prefix('{') else { continue };
+        let open = code.len() - body.len();
+        let mut depth = 1;
+        let close = body.char_indices().find_map(|(i, c)| {
+            depth += match c {
+                '{' => 1,
+                '}' => -1,
+                _ => 0,
+            };
+            (depth == 0).then_some(open + i)
+        });
+        found.push((open, close.unwrap_or(code.len()), rest[..name_end].to_owned()));
+    }
+    found
+}
+
+/// Every `.rs` file under `root` but the crate roots, by its module path
+/// (`keystore/mod.rs` is `["keystore"]`), comments and literals blanked.
 fn sources(root: &Path) -> BTreeMap<Vec<String>, String> {
     let mut out = BTreeMap::new();
     let mut dirs = vec![root.to_path_buf()];
@@ -76,6 +166,9 @@ fn sources(root: &Path) -> BTreeMap<Vec<String>, String> {
                 if module.last().is_some_and(|m| m == "mod") {
                     module.pop();
                 }
+                if module == ["lib"] || module == ["main"] {
+                    continue;
+                }
                 out.insert(module, code_only(&std::fs::read_to_string(&path).unwrap()));
             }
         }
@@ -89,6 +182,8 @@ fn code_only(text: &str) -> String {
     let b = text.as_bytes();
     let (mut out, mut i) = (String::with_capacity(b.len()), 0);
     let word_before = |i: usize| i > 0 && (b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_');
+    // `r"..."`, and the byte and C string forms `br"..."` and `cr"..."`.
+    let raw_prefix = |i: usize| !word_before(i) || (matches!(b[i - 1], b'b' | b'c') && !word_before(i - 1));
     while i < b.len() {
         if b[i..].starts_with(b"//") {
             i = text[i..].find('\n').map_or(b.len(), |n| i + n);
@@ -108,7 +203,7 @@ fn code_only(text: &str) -> String {
                     i += 1;
                 }
             }
-        } else if b[i] == b'r' && !word_before(i) && matches!(b.get(i + 1), Some(b'#' | b'"')) {
+        } else if b[i] == b'r' && raw_prefix(i) && matches!(b.get(i + 1), Some(b'#' | b'"')) {
             let hashes = b[i + 1..].iter().take_while(|&&c| c == b'#').count();
             if b.get(i + 1 + hashes) == Some(&b'"') {
                 let end = format!("\"{}", "#".repeat(hashes));
@@ -148,24 +243,55 @@ fn char_literal_end(text: &str, i: usize) -> Option<usize> {
     }
 }
 
-/// Every path that starts `root::` in `code`, with groups expanded
-/// (`crate::{a::B, c}` is `[a, B]` and `[c]`), without `root` itself.
-fn paths(code: &str, root: &str) -> Vec<Vec<String>> {
-    let needle = format!("{root}::");
+/// A path as written: its segments and the name a `use` gives it (`as`).
+#[derive(Debug, PartialEq)]
+struct Written {
+    path: Vec<String>,
+    alias: Option<String>,
+}
+
+impl Written {
+    fn name(&self) -> &str {
+        self.alias.as_deref().or(self.path.last().map(String::as_str)).unwrap_or_default()
+    }
+}
+
+/// Every path in `code` that starts `crate::`, `super::` or `self::`, with
+/// where it starts and groups expanded (`crate::{a::B, c}` is `crate::a::B`
+/// and `crate::c`).
+fn references(code: &str) -> Vec<(usize, Written)> {
     let mut out = Vec::new();
-    let mut from = 0;
-    while let Some(at) = code[from..].find(&needle).map(|n| from + n) {
-        from = at + needle.len();
-        let starts_word = at == 0 || !code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':');
-        if starts_word {
-            expand(&code[from..], Vec::new(), &mut out);
+    for root in ["crate", "super", "self"] {
+        let needle = format!("{root}::");
+        for (at, _) in code.match_indices(&needle) {
+            let starts_word = at == 0 || !code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':');
+            if starts_word {
+                let mut found = Vec::new();
+                expand(&code[at + needle.len()..], vec![root.to_owned()], &mut found);
+                out.extend(found.into_iter().map(|written| (at, written)));
+            }
         }
     }
     out
 }
 
+/// Every path a `use` of `code` names, relative ones included, with where
+/// the `use` starts.
+fn use_lines(code: &str) -> Vec<(usize, Written)> {
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("use ") {
+        if at > 0 && code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let mut found = Vec::new();
+        expand(&code[at + 4..], Vec::new(), &mut found);
+        out.extend(found.into_iter().map(|written| (at, written)));
+    }
+    out
+}
+
 /// The paths `rest` continues `prefix` with.
-fn expand(rest: &str, mut prefix: Vec<String>, out: &mut Vec<Vec<String>>) {
+fn expand(rest: &str, mut prefix: Vec<String>, out: &mut Vec<Written>) {
     let mut rest = rest.trim_start();
     loop {
         if let Some(group) = rest.strip_prefix('{') {
@@ -191,13 +317,21 @@ fn expand(rest: &str, mut prefix: Vec<String>, out: &mut Vec<Vec<String>>) {
             break;
         }
         prefix.push(rest[..end].to_owned());
-        match rest[end..].trim_start().strip_prefix("::") {
+        rest = rest[end..].trim_start();
+        match rest.strip_prefix("::") {
             Some(more) => rest = more.trim_start(),
-            None => break,
+            None => {
+                let alias = rest.strip_prefix("as ").map(|a| {
+                    let a = a.trim_start();
+                    a[..a.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(a.len())].to_owned()
+                });
+                out.push(Written { path: prefix, alias });
+                return;
+            }
         }
     }
     if !prefix.is_empty() {
-        out.push(prefix);
+        out.push(Written { path: prefix, alias: None });
     }
 }
 
@@ -282,13 +416,24 @@ impl Graph {
 #[test]
 fn paths_are_read_as_the_compiler_reads_them() {
     let code = code_only(
-        "use crate::{a::B, c::{d, e::F}};\n// crate::x\nlet s = \"crate::y\"; let c = '\"'; f(crate::g::h);\nuse \
-         other_crate::z;",
+        "use crate::{a::B, c::{d, e::F as G}};\n// crate::x\nlet s = \"crate::y\"; let c = '\"'; let r = br\"\\\";\n\
+         f(super::super::g::h); use other_crate::z;\nmod tests { use super::*; }",
     );
-    let found = paths(&code, "crate");
-    let expected: Vec<Vec<String>> = [&["a", "B"][..], &["c", "d"], &["c", "e", "F"], &["g", "h"]]
-        .iter()
-        .map(|p| p.iter().map(|s| (*s).to_owned()).collect())
-        .collect();
-    assert_eq!(found, expected);
+    let found: Vec<_> = references(&code).into_iter().map(|(_, w)| (w.path.join("::"), w.alias)).collect();
+    let expected = [
+        ("crate::a::B", None),
+        ("crate::c::d", None),
+        ("crate::c::e::F", Some("G".to_owned())),
+        ("super::super::g::h", None),
+        ("super", None),
+    ];
+    assert_eq!(found.iter().map(|(p, a)| (p.as_str(), a.clone())).collect::<Vec<_>>(), expected);
+    let tests = inline_modules(&code);
+    assert_eq!(tests.iter().map(|m| m.2.as_str()).collect::<Vec<_>>(), ["tests"]);
+    let module = ["room".to_owned(), "file".to_owned()];
+    let (in_tests, _) = references(&code).into_iter().find(|(_, w)| w.path == ["super"]).unwrap();
+    let inside = absolute(&module, &tests, in_tests, &["super".to_owned(), "x".to_owned()]).unwrap();
+    assert_eq!(inside, ["room", "file", "x"], "super inside `mod tests` is the file itself");
+    let outside = absolute(&module, &tests, 0, &["super".to_owned(), "super".to_owned(), "x".to_owned()]).unwrap();
+    assert_eq!(outside, ["x"]);
 }
