@@ -19,10 +19,12 @@ pub enum EngineError {
     /// A store or an external system is briefly unavailable; retry.
     #[error("temporarily unavailable: {0}")]
     Transient(#[source] Cause),
-    /// Something that retrying will not fix, found in a store.
-    #[error("store fault: {0}")]
+    /// Something that retrying will not fix, found below the engine or in
+    /// what it stored: a person must look (the request is handed back).
+    #[error("fault: {0}")]
     Broken(#[source] Cause),
-    /// Something that retrying will not fix, found by the engine itself.
+    /// A rule the engine keeps does not hold (a defect, not a failure of
+    /// anything below it): a person must look.
     #[error("internal fault: {0}")]
     Fault(String),
 }
@@ -60,9 +62,25 @@ pub enum Cause {
     /// An external system answered that it applied nothing.
     #[error("{0}")]
     Rail(String),
+    /// A value the engine stored (or is about to) that does not read back
+    /// (or encode) as what it is: `what` it is, and why not.
+    #[error("{what}: {source}")]
+    Record {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The task working a request ended without an answer (it panicked).
+    #[error("the request's task ended: {0}")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 impl EngineError {
+    /// A stored value (`what`) that does not read or encode, kept whole.
+    pub fn record(what: &'static str, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        EngineError::Broken(Cause::Record { what, source: source.into() })
+    }
+
     /// A failure the key is handed back after: the next actor resumes.
     pub fn hands_back(&self) -> bool {
         matches!(self, EngineError::Transient(_) | EngineError::Broken(_) | EngineError::Fault(_))

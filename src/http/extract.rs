@@ -43,10 +43,7 @@ impl FromRequestParts<AppState> for Caller {
         let client = match state.clients.find(&ApiKey::presented(token)).await {
             Ok(Some(client)) => client,
             Ok(None) => return Err(ApiError::Unauthenticated),
-            Err(e) => {
-                tracing::warn!(error = %e, "could not look the caller up");
-                return Err(ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) });
-            }
+            Err(e) => return Err(ApiError::unavailable(e)),
         };
         state.throttle.admit(client, &*profile(state, client).await?).map_err(ApiError::Throttled)?;
         Ok(Caller(client))
@@ -55,10 +52,7 @@ impl FromRequestParts<AppState> for Caller {
 
 /// Client `id`'s profile (as cached), or 503 when it cannot be read.
 pub async fn profile(state: &AppState, id: ClientId) -> Result<Arc<Profile>, ApiError> {
-    state.clients.profile(id).await.map_err(|e| {
-        tracing::warn!(error = %e, "could not read the caller's profile");
-        ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
-    })
+    state.clients.profile(id).await.map_err(ApiError::unavailable)
 }
 
 /// The request's Idempotency-Key, validated. Exactly one: with two, which

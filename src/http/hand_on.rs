@@ -62,7 +62,10 @@ impl HandOn for PeerInboxes {
                     tracing::warn!(region, %status, id = waiting.message_id, "another region could not take a notification yet");
                     not_yet = true;
                 }
-                Err(()) => not_yet = true,
+                Err(e) => {
+                    tracing::warn!(region, id = waiting.message_id, error = %e, "another region could not be offered a notification");
+                    not_yet = true;
+                }
             }
         }
         if not_yet { Handed::NotYet } else { Handed::Nowhere }

@@ -74,7 +74,7 @@ pub async fn copy_of(
     let held_here = here.is_some();
     let home = match here {
         Some((shown, held)) => match judge(&state.engine, client, held).await? {
-            Standing::Live => return serde_json::to_value(shown).map_err(|e| ApiError::Internal(e.to_string())),
+            Standing::Live => return serde_json::to_value(shown).map_err(ApiError::internal),
             Standing::Leftover { home } => home,
         },
         None => None,
@@ -106,7 +106,7 @@ pub async fn judge<K: KeyStore>(
     let created_at = crate::ledger::millis(held.request_created_at);
     let key = IdempotencyKey::parse(held.idem_key)
         .map(|key| ScopedKey::new(client, key))
-        .map_err(|e| EngineError::Fault(format!("stored key {:?}: {e}", held.idem_key)))?;
+        .map_err(|e| EngineError::record("a stored idempotency key", e))?;
     Ok(match engine.moved_away(&key, created_at).await? {
         Some(moved) => Standing::Leftover { home: moved.home },
         None if status == "voided" => Standing::Leftover { home: None },

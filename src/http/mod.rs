@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
-use axum::http::{HeaderName, HeaderValue, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::routing::get;
@@ -40,7 +40,7 @@ use crate::keystore::DynamoKeyStore;
 pub use hand_on::PeerInboxes;
 pub use peers::Peers;
 pub use probes::Readiness;
-pub use problem::ApiError;
+pub use problem::{ApiError, Failure};
 pub use signed::Asking;
 pub use throttle::{FairUseSettings, Throttle};
 
@@ -101,8 +101,11 @@ async fn count_answers(request: Request, next: Next) -> Response {
         _ => "other",
     };
     let response = next.run(request).await;
-    if let Some(problem::InternalFailure(why)) = response.extensions().get() {
-        tracing::error!(error = %why, "internal error");
+    if let Some(problem::Failure(why)) = response.extensions().get() {
+        match response.status() {
+            StatusCode::INTERNAL_SERVER_ERROR => tracing::error!(error = %why, "internal error"),
+            _ => tracing::warn!(error = %why, "temporarily unavailable"),
+        }
     }
     let replayed = response.headers().contains_key("idempotent-replayed");
     let answer = match response.status().as_u16() {

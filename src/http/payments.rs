@@ -23,7 +23,7 @@ use super::{ApiError, AppState};
 use crate::clients::Refusal;
 use crate::domain::ClientId;
 use crate::domain::{PaymentRequest, RequestHash, ScopedKey, is_reference};
-use crate::engine::{Answer, EngineError, Operation, Submission};
+use crate::engine::{Answer, Cause, EngineError, Operation, Submission};
 use crate::keystore::{KeyItem, KeyStore};
 use crate::operations::{PaymentOperation, RefundOperation};
 
@@ -47,7 +47,7 @@ pub async fn create(
     // The request is kept in its normal form (accounts upper case, no
     // spaces), so a resume works on exactly what the first phase wrote;
     // the fingerprint stays that of the bytes the client sent.
-    let stored = serde_jcs::to_vec(&payment).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let stored = serde_jcs::to_vec(&payment).map_err(ApiError::internal)?;
     let submission = Submission { key, request_hash, canonical: stored, operation: PaymentOperation::new(payment) };
     respond(worked(&state, submission, accepted, running).await?, PATH)
 }
@@ -76,7 +76,7 @@ pub(super) async fn worked<O: Operation + 'static>(
         }
         .in_current_span(),
     );
-    Ok(work.await.map_err(|e| EngineError::Fault(format!("the request's task ended: {e}")))??)
+    Ok(work.await.map_err(|e| EngineError::Broken(Cause::Task(e)))??)
 }
 
 /// A new payment the caller may not make (an account it does not hold,
@@ -107,11 +107,11 @@ async fn accepted_despite(
 pub(super) fn respond(answer: Answer, collection: &str) -> Result<Response, ApiError> {
     match answer {
         Answer::Final { response, replayed } => {
-            let status = StatusCode::from_u16(response.status).map_err(|e| ApiError::Internal(e.to_string()))?;
+            let status = StatusCode::from_u16(response.status).map_err(ApiError::internal)?;
             let mut reply = (status, response.body).into_response();
             for (name, value) in &response.headers {
-                let name = HeaderName::try_from(name.as_str()).map_err(|e| ApiError::Internal(e.to_string()))?;
-                let value = HeaderValue::try_from(value.as_str()).map_err(|e| ApiError::Internal(e.to_string()))?;
+                let name = HeaderName::try_from(name.as_str()).map_err(ApiError::internal)?;
+                let value = HeaderValue::try_from(value.as_str()).map_err(ApiError::internal)?;
                 reply.headers_mut().insert(name, value);
             }
             if replayed {
@@ -181,9 +181,7 @@ pub async fn by_reference(
     let (mut live, mut leftovers) = (Vec::new(), Vec::new());
     for held in local {
         match live::judge(&state.engine, client, (&held).into()).await? {
-            Standing::Live => {
-                live.push(serde_json::to_value(&held.payment).map_err(|e| ApiError::Internal(e.to_string()))?)
-            }
+            Standing::Live => live.push(serde_json::to_value(&held.payment).map_err(ApiError::internal)?),
             Standing::Leftover { .. } => leftovers.push(held.payment.id.to_string()),
         }
     }

@@ -46,6 +46,28 @@ pub struct Asker<'a> {
     pub client: ClientId,
 }
 
+/// Why another region's answer is not had: it could not be asked, or what
+/// it said is not to be believed. Logged once, by whoever gives up on it.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error("no region secret: other regions cannot be asked (set KEYFENCE_REGION_SECRET_FILE)")]
+    NoSecret,
+    #[error("not asked at {base}: {why}")]
+    Url { base: String, why: &'static str },
+    #[error("could not be asked: {0}")]
+    Unreachable(#[source] reqwest::Error),
+    #[error("its answer is over the size limit")]
+    TooLarge,
+    #[error("its answer ({0}) is without the region's signature: not believed")]
+    Unsigned(StatusCode),
+    #[error("it could not answer ({0})")]
+    Refused(StatusCode),
+    #[error("its answer does not read: {0}")]
+    Unreadable(#[source] serde_json::Error),
+    #[error("it answered about another payment than asked")]
+    Other,
+}
+
 /// What the other regions said of one payment.
 pub enum Asked {
     Found(Value),
@@ -107,14 +129,17 @@ impl Peers {
         let mut asked: Vec<(&str, &str)> = others(registry, me).collect();
         asked.sort_by_key(|(region, _)| Some(*region) != home);
         for (region, url) in asked {
-            match self.get(asker, region, url, &path, &[]).await {
-                Ok(Some(found)) if found["id"].as_str() == Some(id) => return Asked::Found(found),
-                Ok(Some(_)) => {
-                    tracing::warn!(region, "another region answered about another one than asked");
+            let answer = self.get(asker, region, url, &path, &[]).await;
+            match answer.and_then(|found| match found {
+                Some(found) if found["id"].as_str() != Some(id) => Err(PeerError::Other),
+                found => Ok(found),
+            }) {
+                Ok(Some(found)) => return Asked::Found(found),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(region, error = %e, "another region's answer is not had");
                     unreachable.push(region.to_owned());
                 }
-                Ok(None) => {}
-                Err(()) => unreachable.push(region.to_owned()),
             }
         }
         if unreachable.is_empty() { Asked::Nowhere } else { Asked::Unreachable(unreachable) }
@@ -134,13 +159,19 @@ impl Peers {
         let mut all = Vec::new();
         let mut unreachable = Vec::new();
         for (region, url) in others(registry, asker.me) {
-            match self.get(asker, region, url, path, query).await {
-                Ok(Some(Value::Object(mut page))) => match page.remove("data") {
-                    Some(Value::Array(items)) if items.iter().all(&wanted) => all.extend(items),
-                    _ => unreachable.push(region.to_owned()),
+            let page = self.get(asker, region, url, path, query).await.and_then(|answer| match answer {
+                Some(Value::Object(mut page)) => match page.remove("data") {
+                    Some(Value::Array(items)) if items.iter().all(&wanted) => Ok(items),
+                    _ => Err(PeerError::Other),
                 },
-                Ok(_) => {}
-                Err(()) => unreachable.push(region.to_owned()),
+                _ => Ok(Vec::new()),
+            });
+            match page {
+                Ok(items) => all.extend(items),
+                Err(e) => {
+                    tracing::warn!(region, error = %e, "another region's listing is not had");
+                    unreachable.push(region.to_owned());
+                }
             }
         }
         if unreachable.is_empty() { Ok(all) } else { Err(unreachable) }
@@ -156,15 +187,12 @@ impl Peers {
         base: &str,
         path: &str,
         query: &[(&str, &str)],
-    ) -> Result<Option<Value>, ()> {
+    ) -> Result<Option<Value>, PeerError> {
         let (status, body) = self.exchange(asker, region, base, path, query, None).await?;
         match status {
-            StatusCode::OK => serde_json::from_slice(&body).map(Some).map_err(|_| ()),
+            StatusCode::OK => serde_json::from_slice(&body).map(Some).map_err(PeerError::Unreadable),
             StatusCode::NOT_FOUND => Ok(None),
-            status => {
-                tracing::warn!(base, %status, "another region could not answer");
-                Err(())
-            }
+            status => Err(PeerError::Refused(status)),
         }
     }
 
@@ -180,7 +208,7 @@ impl Peers {
         path: &str,
         query: &[(&str, &str)],
         posted: Posted<'_>,
-    ) -> Result<(StatusCode, Vec<u8>), ()> {
+    ) -> Result<(StatusCode, Vec<u8>), PeerError> {
         self.exchange(asker, region, base, path, query, Some(posted)).await
     }
 
@@ -193,12 +221,9 @@ impl Peers {
         path: &str,
         query: &[(&str, &str)],
         posted: Option<Posted<'_>>,
-    ) -> Result<(StatusCode, Vec<u8>), ()> {
-        let Some(secret) = &self.secret else {
-            tracing::warn!(region, "no region secret: other regions cannot be asked (set KEYFENCE_REGION_SECRET_FILE)");
-            return Err(());
-        };
-        let url = peer_url(base, path, query).map_err(|why| tracing::warn!(region, base, why, "not asking"))?;
+    ) -> Result<(StatusCode, Vec<u8>), PeerError> {
+        let Some(secret) = &self.secret else { return Err(PeerError::NoSecret) };
+        let url = peer_url(base, path, query).map_err(|why| PeerError::Url { base: base.to_owned(), why })?;
         let target = match url.query() {
             Some(query) => format!("{}?{query}", url.path()),
             None => url.path().to_owned(),
@@ -231,21 +256,18 @@ impl Peers {
         let mut trace = axum::http::HeaderMap::new();
         crate::telemetry::inject_trace_context(&mut trace);
         request = request.headers(trace);
-        let mut sent =
-            request.send().await.map_err(|e| tracing::warn!(base, error = %e, "another region could not be asked"))?;
-        let status = StatusCode::from_u16(sent.status().as_u16()).map_err(|_| ())?;
+        let mut sent = request.send().await.map_err(PeerError::Unreachable)?;
+        let status = sent.status();
         let answer_headers = std::mem::take(sent.headers_mut());
         let mut body = Vec::new();
-        while let Some(chunk) = sent.chunk().await.map_err(|_| ())? {
+        while let Some(chunk) = sent.chunk().await.map_err(PeerError::Unreachable)? {
             if body.len() + chunk.len() > MAX_ANSWER {
-                tracing::warn!(region, "another region's answer is over the size limit");
-                return Err(());
+                return Err(PeerError::TooLarge);
             }
             body.extend_from_slice(&chunk);
         }
         if !secret.answered(&signature, status, &answer_headers, &body) {
-            tracing::warn!(region, base, %status, "an answer without the region's signature is not believed");
-            return Err(());
+            return Err(PeerError::Unsigned(status));
         }
         Ok((status, body))
     }

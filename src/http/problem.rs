@@ -2,6 +2,7 @@
 //! `application/problem+json`. One exhaustive match maps each to its status;
 //! internal details are logged once here and never sent to the client.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -36,9 +37,8 @@ pub enum ApiError {
         retry_after: Duration,
     },
     KeyReused,
-    Unavailable {
-        retry_after: Duration,
-    },
+    /// A store (or a lookup) is briefly unavailable: retry in a second.
+    Unavailable(Failure),
     RegionFailed(String),
     PeersUnreachable(Vec<String>),
     /// The debtor account is not one the caller holds (whoever holds it).
@@ -66,12 +66,32 @@ pub enum ApiError {
         meant_for: String,
         here: String,
     },
-    Internal(String),
+    Internal(Failure),
 }
 
-/// Why an answer is a 500, for the log (the body says nothing of it).
+/// Why an answer is a 503 or a 500, kept whole (sources and all) for the
+/// log, which the layer that sees every answer writes once; the body says
+/// nothing of it.
 #[derive(Clone, Debug)]
-pub struct InternalFailure(pub String);
+pub struct Failure(pub Arc<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl ApiError {
+    /// A 500 for `why` (an error, or a sentence when nothing failed below).
+    pub fn internal(why: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        ApiError::Internal(Failure(Arc::from(why.into())))
+    }
+
+    /// A 503 for `why`: the client retries in a second.
+    pub fn unavailable(why: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        ApiError::Unavailable(Failure(Arc::from(why.into())))
+    }
+}
 
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
@@ -79,9 +99,9 @@ impl From<EngineError> for ApiError {
             // Another attempt owns the request now; the client's retry will
             // find it in flight or finished.
             EngineError::FencedOut(_) => ApiError::InFlight { retry_after: Duration::from_secs(1) },
-            EngineError::Transient(_) => ApiError::Unavailable { retry_after: Duration::from_secs(1) },
+            EngineError::Transient(_) => ApiError::unavailable(e),
             EngineError::RegionFailed(region) => ApiError::RegionFailed(region),
-            EngineError::Fault(_) | EngineError::Broken(_) => ApiError::Internal(e.to_string()),
+            EngineError::Fault(_) | EngineError::Broken(_) => ApiError::internal(e),
         }
     }
 }
@@ -217,7 +237,7 @@ impl IntoResponse for ApiError {
                     .to_owned(),
                 None,
             ),
-            ApiError::Unavailable { .. } => (
+            ApiError::Unavailable(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "temporarily-unavailable",
                 "Temporarily unavailable",
@@ -326,8 +346,11 @@ impl IntoResponse for ApiError {
             ApiError::PeersUnreachable(_) | ApiError::PaymentMoving => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
             }
-            ApiError::InFlight { retry_after } | ApiError::Unavailable { retry_after } => {
+            ApiError::InFlight { retry_after } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
+            }
+            ApiError::Unavailable(_) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
             }
             ApiError::RegionFailed(_) => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(REGION_FAILED_RETRY.as_secs()));
@@ -345,8 +368,8 @@ impl IntoResponse for ApiError {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         // Logged once, by the layer that sees every answer, never in the body.
-        if let ApiError::Internal(why) = self {
-            response.extensions_mut().insert(InternalFailure(why));
+        if let ApiError::Internal(why) | ApiError::Unavailable(why) = self {
+            response.extensions_mut().insert(why);
         }
         response
     }

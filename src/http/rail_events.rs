@@ -70,8 +70,7 @@ pub async fn receive(
     let signed = Signed { raw: body.to_vec(), at: timestamp, signature: rail_signature.to_owned() };
     let mut message = inbox::parse(&rail, id, signed).map_err(ApiError::MalformedJson)?;
     message.handed_from = handed_from;
-    let unavailable = |_| ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) };
-    let fence = state.engine.ledger().region_fence().await.map_err(unavailable)?;
+    let fence = state.engine.ledger().region_fence().await.map_err(ApiError::unavailable)?;
     if fence.failed {
         return Err(ApiError::RegionFailed(fence.region.unwrap_or_default()));
     }

@@ -52,7 +52,7 @@ pub async fn create(
         }
     };
     let running = state.throttle.start(&key, &profile).map_err(ApiError::Throttled)?;
-    let stored = serde_jcs::to_vec(&order).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let stored = serde_jcs::to_vec(&order).map_err(ApiError::internal)?;
     let submission = Submission { key, request_hash, canonical: stored, operation: RefundOperation::new(order) };
     respond(worked(&state, submission, existing, running).await?, REFUNDS)
 }
@@ -79,9 +79,9 @@ async fn order(
         "creditor_account": payment["creditor_account"],
         "end_to_end_id": payment["end_to_end_id"],
     }))
-    .map_err(|e| ApiError::Internal(format!("payment {payment_id} as shown: {e}")))?;
+    .map_err(|e| ApiError::from(EngineError::record("a payment as shown", e)))?;
     if payment.id != payment_id {
-        return Err(ApiError::Internal(format!("asked for payment {payment_id}, shown {}", payment.id)));
+        return Err(ApiError::internal(format!("asked for payment {payment_id}, shown {}", payment.id)));
     }
     if refund.amount_minor > payment.amount_minor {
         return Err(ApiError::RefundExceedsPayment { left: payment.amount_minor });
@@ -105,7 +105,7 @@ async fn already_accepted(
     if item.request_hash != *request_hash || item.operation != RefundOperation::NAME {
         return Err(ApiError::KeyReused);
     }
-    let order = serde_json::from_slice(&item.request).map_err(|e| ApiError::Internal(format!("stored refund: {e}")))?;
+    let order = serde_json::from_slice(&item.request).map_err(|e| EngineError::record("a stored refund request", e))?;
     Ok(Some((order, item)))
 }
 
@@ -140,9 +140,7 @@ pub async fn list(
     let (mut live, mut leftovers) = (Vec::new(), Vec::new());
     for held in &held {
         match live::judge(&state.engine, client, held.into()).await? {
-            Standing::Live => {
-                live.push(serde_json::to_value(&held.refund).map_err(|e| ApiError::Internal(e.to_string()))?)
-            }
+            Standing::Live => live.push(serde_json::to_value(&held.refund).map_err(ApiError::internal)?),
             Standing::Leftover { .. } => leftovers.push(held.refund.id.to_string()),
         }
     }

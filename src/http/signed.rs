@@ -157,7 +157,7 @@ pub async fn from_a_region(State(state): State<AppState>, mut request: Request, 
     request.extensions_mut().insert(ForwardedFrom(from));
     let (mut parts, body) = next.run(request).await.into_parts();
     let Ok(body) = axum::body::to_bytes(body, MAX_ANSWER).await else {
-        return ApiError::Internal("an answer to another region is too large".into()).into_response();
+        return ApiError::internal("an answer to another region is too large").into_response();
     };
     let mac = secret.answer_mac(&signature, parts.status, &body).finalize().into_bytes();
     parts.headers.insert(SIGNATURE, HeaderValue::try_from(hex::encode(mac)).expect("hex is a valid header value"));

@@ -46,7 +46,7 @@ pub async fn create(
     let url = match asked.url.chars().count() {
         0..=MAX_URL => match state.webhook_targets.check(&asked.url).await {
             Ok(url) => Some(url),
-            Err(Refused::Busy) => return Err(ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }),
+            Err(Refused::Busy) => return Err(ApiError::unavailable("every name-lookup slot is taken")),
             Err(Refused::Invalid(message)) => {
                 errors.push(FieldError { field: "url", message });
                 None
@@ -88,10 +88,7 @@ fn refused(e: WebhooksError) -> ApiError {
             limit: "webhook_endpoints",
             detail: format!("A client has at most {} webhook endpoints", webhooks::MAX_ENDPOINTS),
         },
-        WebhooksError::Contended | WebhooksError::Store(_) => {
-            tracing::warn!(error = %e, "webhook endpoints unavailable");
-            ApiError::Unavailable { retry_after: std::time::Duration::from_secs(1) }
-        }
-        WebhooksError::Malformed(_) => ApiError::Internal(e.to_string()),
+        WebhooksError::Contended | WebhooksError::Store(_) | WebhooksError::Deliveries(_) => ApiError::unavailable(e),
+        WebhooksError::Malformed(_) => ApiError::internal(e),
     }
 }

@@ -204,8 +204,8 @@ pub async fn resume<K: KeyStore>(engine: &Engine<K>, in_flight: &InFlight) {
 
 /// Applies one waiting return, in a phase of its own.
 pub async fn apply_return<K: KeyStore>(engine: &Engine<K>, pending: &PendingReturn) -> Result<(), EngineError> {
-    let returned: Returned = serde_json::from_value(pending.body.clone())
-        .map_err(|e| EngineError::Fault(format!("a stored return does not read: {e}")))?;
+    let returned: Returned =
+        serde_json::from_value(pending.body.clone()).map_err(|e| EngineError::record("a stored return", e))?;
     let Some(mut tx) = engine.ledger().begin_return(pending).await? else { return Ok(()) };
     let effect = match refunds::current(&mut tx, pending.payment_id).await? {
         Some(refund) => return_refund(engine, pending, &mut tx, &refund, &returned).await?,

@@ -27,6 +27,14 @@ pub enum LedgerError {
     /// A stored value this code cannot accept.
     #[error("ledger data is corrupt: {0}")]
     Corrupt(String),
+    /// A value that does not read back (or encode) as what it is: `what`
+    /// it is, and why not.
+    #[error("ledger data is corrupt: {what}: {source}")]
+    Unreadable {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("ledger database error: {0}")]
     Database(#[from] sqlx::Error),
     #[error("ledger migration failed: {0}")]
@@ -34,6 +42,11 @@ pub enum LedgerError {
 }
 
 impl LedgerError {
+    /// A value (`what`) that does not read or encode, kept whole.
+    pub fn unreadable(what: &'static str, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        LedgerError::Unreadable { what, source: source.into() }
+    }
+
     /// Whether PostgreSQL refused the statement with SQLSTATE `code`.
     pub fn has_code(&self, code: &str) -> bool {
         matches!(self, LedgerError::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some(code))

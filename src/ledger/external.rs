@@ -58,8 +58,7 @@ impl CallWrites<'_> {
     pub(super) fn binds(&self) -> Result<CallBinds, LedgerError> {
         let mut binds = CallBinds::default();
         if let Some(intent) = self.intent {
-            let sent = serde_json::to_value(intent.sent)
-                .map_err(|e| LedgerError::Corrupt(format!("an instruction that does not serialise: {e}")))?;
+            let sent = serde_json::to_value(intent.sent).map_err(|e| LedgerError::unreadable("an instruction", e))?;
             binds.intent_steps.push(intent.step.to_owned());
             binds.intent_keys.push(intent.derived_key);
             binds.intent_sent.push(sent);
@@ -69,7 +68,7 @@ impl CallWrites<'_> {
                 Verdict::Applied(applied) => ("done", serde_json::to_value(applied)),
                 Verdict::Declined(declined) => ("declined", serde_json::to_value(declined)),
             };
-            let result = result.map_err(|e| LedgerError::Corrupt(format!("a verdict that does not serialise: {e}")))?;
+            let result = result.map_err(|e| LedgerError::unreadable("a verdict", e))?;
             binds.verdict_steps.push(step.to_owned());
             binds.verdict_outcomes.push(outcome);
             binds.verdict_results.push(result);

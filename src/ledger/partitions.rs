@@ -528,7 +528,7 @@ fn suffix_of(from: OffsetDateTime) -> String {
 }
 
 fn literal(at: OffsetDateTime) -> Result<String, LedgerError> {
-    let text = at.format(&Rfc3339).map_err(|e| LedgerError::Corrupt(format!("a partition bound: {e}")))?;
+    let text = at.format(&Rfc3339).map_err(|e| LedgerError::unreadable("a partition bound", e))?;
     Ok(format!("'{text}'"))
 }
 

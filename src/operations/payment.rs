@@ -69,7 +69,7 @@ impl PaymentOperation {
         // rules of that day: a resume must work it exactly as it began, not
         // refuse it (or rename its accounts) under newer ones.
         let payment: PaymentRequest =
-            serde_json::from_slice(request).map_err(|e| EngineError::Fault(format!("stored request: {e}")))?;
+            serde_json::from_slice(request).map_err(|e| EngineError::record("a stored payment request", e))?;
         Ok(Self::new(payment))
     }
 
@@ -100,7 +100,7 @@ impl PaymentOperation {
         let (request, fence) = (cx.request, cx.fence);
         let payment = payments::succeed(cx.writes(), request, &self.payment, &rail.reference, fence);
         self.transfer(cx, "settle", CLEARING, &format!("creditor:{}", self.payment.creditor_account));
-        let body = serde_json::to_vec(&payment).map_err(|e| EngineError::Fault(e.to_string()))?;
+        let body = serde_json::to_vec(&payment).map_err(|e| EngineError::record("a payment's answer", e))?;
         queue_event(cx, &payment, "payment.succeeded")?;
         Ok(StoredResponse {
             status: 201,
@@ -179,7 +179,7 @@ fn queue(
     payment: &Payment,
     event: &str,
 ) -> Result<(), EngineError> {
-    let mut data = serde_json::to_value(payment).map_err(|e| EngineError::Fault(e.to_string()))?;
+    let mut data = serde_json::to_value(payment).map_err(|e| EngineError::record("a payment event", e))?;
     data["debtor_account"] = webhooks::masked(&payment.debtor_account).into();
     data["creditor_account"] = webhooks::masked(&payment.creditor_account).into();
     if let Some(info) = data.as_object_mut() {

@@ -85,7 +85,7 @@ impl RefundOperation {
     /// Rebuilds the operation from the canonical request kept with the key.
     pub fn from_canonical(request: &[u8]) -> Result<Self, EngineError> {
         let order: RefundOrder =
-            serde_json::from_slice(request).map_err(|e| EngineError::Fault(format!("stored refund: {e}")))?;
+            serde_json::from_slice(request).map_err(|e| EngineError::record("a stored refund request", e))?;
         Ok(Self::new(order))
     }
 
@@ -132,7 +132,7 @@ impl RefundOperation {
         let refund = refunds::set_status(cx.conn().await?, id, "succeeded", Some(&rail.reference), None, fence).await?;
         self.transfer(cx, "refund", &self.hold_account(), &format!("debtor:{}", self.order.payment.debtor_account));
         queue_event(cx, &refund, "refund.succeeded")?;
-        let body = serde_json::to_vec(&refund).map_err(|e| EngineError::Fault(e.to_string()))?;
+        let body = serde_json::to_vec(&refund).map_err(|e| EngineError::record("a refund's answer", e))?;
         Ok(StoredResponse {
             status: 201,
             headers: BTreeMap::from([
@@ -146,7 +146,7 @@ impl RefundOperation {
 
 /// Queues webhook event `event` about `refund`, in the phase that causes it.
 fn queue_event(cx: &mut StepContext<'_>, refund: &Refund, event: &str) -> Result<(), EngineError> {
-    let data = serde_json::to_value(refund).map_err(|e| EngineError::Fault(e.to_string()))?;
+    let data = serde_json::to_value(refund).map_err(|e| EngineError::record("a refund event", e))?;
     let client = cx.request.key.client;
     webhooks::queue::event(cx.writes(), client, refund.id, event, &data);
     Ok(())
@@ -189,7 +189,7 @@ pub async fn apply_return(
     ];
     let mut writes = Writes::default();
     payments::post(&mut writes, refund.id, "refund_return", &refund.currency, &legs, fence);
-    let data = serde_json::to_value(&refund).map_err(|e| EngineError::Fault(e.to_string()))?;
+    let data = serde_json::to_value(&refund).map_err(|e| EngineError::record("a refund event", e))?;
     webhooks::queue::event(&mut writes, client, refund.id, "refund.returned", &data);
     writes.send(conn).await?;
     Ok(())

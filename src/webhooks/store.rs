@@ -10,13 +10,15 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use aws_sdk_dynamodb::Client;
-use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
+use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
 use super::{Disabled, Endpoint, MAX_ENDPOINTS};
 use crate::domain::WebhookSecret;
 use crate::domain::{ClientId, Millis};
+use crate::keystore::StoreFailure;
+use crate::ledger::LedgerError;
 
 const ITEM: &str = "control#webhooks#client#";
 
@@ -26,9 +28,11 @@ const TRIES: usize = 5;
 #[derive(Debug, thiserror::Error)]
 pub enum WebhooksError {
     #[error("the webhook endpoints could not be read or written: {0}")]
-    Store(String),
+    Store(#[source] StoreFailure),
+    #[error("a webhook's deliveries could not be updated: {0}")]
+    Deliveries(#[source] LedgerError),
     #[error("a webhook endpoints item is malformed: {0}")]
-    Malformed(String),
+    Malformed(#[source] StoreFailure),
     #[error("no webhook endpoint {0} of this client")]
     Unknown(Uuid),
     #[error("a client has at most {MAX_ENDPOINTS} webhook endpoints")]
@@ -183,7 +187,7 @@ impl EndpointStore {
         for _ in 0..TRIES {
             let Read { mut endpoints, version } = self.read(owner).await?;
             edit(&mut endpoints)?;
-            let text = serde_json::to_string(&endpoints).map_err(|e| WebhooksError::Malformed(e.to_string()))?;
+            let text = serde_json::to_string(&endpoints).map_err(|e| WebhooksError::Malformed(StoreFailure::of(e)))?;
             let next = version.unwrap_or(0) + 1;
             let mut put = self
                 .client
@@ -202,7 +206,7 @@ impl EndpointStore {
             match put.send().await {
                 Ok(_) => return Ok(()),
                 Err(e) if e.code() == Some("ConditionalCheckFailedException") => continue,
-                Err(e) => return Err(WebhooksError::Store(DisplayErrorContext(&e).to_string())),
+                Err(e) => return Err(WebhooksError::Store(StoreFailure::of(e))),
             }
         }
         Err(WebhooksError::Contended)
@@ -217,7 +221,7 @@ impl EndpointStore {
             .consistent_read(true)
             .send()
             .await
-            .map_err(|e| WebhooksError::Store(DisplayErrorContext(&e).to_string()))?;
+            .map_err(|e| WebhooksError::Store(StoreFailure::of(e)))?;
         let Some(item) = out.item() else { return Ok(Read { endpoints: Vec::new(), version: None }) };
         decode(item)
     }
@@ -228,9 +232,9 @@ fn pk(owner: ClientId) -> String {
 }
 
 fn decode(item: &HashMap<String, AttributeValue>) -> Result<Read, WebhooksError> {
-    let malformed = |what: &str| WebhooksError::Malformed(what.to_owned());
+    let malformed = |what: &str| WebhooksError::Malformed(StoreFailure::said(what));
     let text = item.get("endpoints").and_then(|v| v.as_s().ok()).ok_or_else(|| malformed("no endpoints"))?;
-    let endpoints = serde_json::from_str(text).map_err(|e| WebhooksError::Malformed(e.to_string()))?;
+    let endpoints = serde_json::from_str(text).map_err(|e| WebhooksError::Malformed(StoreFailure::of(e)))?;
     let version = item.get("version").and_then(|v| v.as_n().ok()).and_then(|n| n.parse().ok());
     Ok(Read { endpoints, version: Some(version.ok_or_else(|| malformed("no version"))?) })
 }

@@ -389,10 +389,7 @@ impl Worker {
         metrics::counter!("keyfence_webhook_endpoints_disabled_total", "reason" => disabled).increment(1);
         tracing::warn!(endpoint = %endpoint.id, client = %owner, reason = disabled, "webhook endpoint disabled");
         let why = format!("the endpoint was disabled ({disabled})");
-        self.deliveries
-            .end_pending_of(endpoint.id, &why)
-            .await
-            .map_err(|e| super::WebhooksError::Store(e.to_string()))?;
+        self.deliveries.end_pending_of(endpoint.id, &why).await.map_err(super::WebhooksError::Deliveries)?;
         Ok(())
     }
 

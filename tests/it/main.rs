@@ -21,6 +21,7 @@ mod deploy;
 mod drill;
 mod emulator;
 mod engine_costs;
+mod errors;
 mod example_payout;
 mod expiry;
 mod failover;
