@@ -135,7 +135,11 @@ fn answer(status: u16, body: &serde_json::Value) -> StoredResponse {
 
 /// An engine of this example's own over the given stores.
 fn engine(keys: &DynamoKeyStore, ledger: &Ledger, rail: &str, instance: &str) -> Engine<DynamoKeyStore> {
-    let regions = RegionView::new(RegionStore::new(keys.client().clone(), keys.table()), Duration::from_secs(1));
+    let regions = RegionView::new(
+        RegionStore::new(keys.client().clone(), keys.table()),
+        Duration::from_secs(1),
+        Default::default(),
+    );
     let settings = EngineSettings {
         region: "example-1".into(),
         instance: instance.into(),
@@ -144,6 +148,7 @@ fn engine(keys: &DynamoKeyStore, ledger: &Ledger, rail: &str, instance: &str) ->
         max_unknown_attempts: 5,
         probe_backoff: ProbeBackoff { first: Duration::from_millis(100), max: Duration::from_secs(1) },
         answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
+        clock: Default::default(),
     };
     let rails = Rails::new([RailClient::new(PAYOUT_RAIL, rail, Duration::from_secs(2), 3)]);
     Engine::new(keys.clone(), ledger.clone(), rails, regions, settings)

@@ -11,7 +11,8 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::domain::{
-    ANSWER_LIMIT, ProbeBackoff, RailSecrets, RegionSecret, Retention, parse_duration, parse_millis, parse_span,
+    ANSWER_LIMIT, ProbeBackoff, RailSecrets, RegionSecret, Retention, SharedClock, parse_duration, parse_millis,
+    parse_span,
 };
 use crate::http::FairUseSettings;
 use crate::keystore::KeyStoreSettings;
@@ -177,6 +178,10 @@ pub struct EngineConfig {
     /// local endpoint no command works the protocol on them.
     #[arg(skip)]
     pub defaulted: Vec<&'static str>,
+    /// What the engine, the caches and the workers reckon time by: the
+    /// system's, or one a test moves.
+    #[arg(skip)]
+    pub clock: SharedClock,
 }
 
 impl EngineConfig {

@@ -62,10 +62,10 @@ pub trait Progress: Sync {
     fn deleted(&self, keys: usize);
 }
 
-/// Sweeps the whole table once.
-pub async fn sweep<K: KeyStore>(keys: &K, options: Options, progress: &impl Progress) -> Report {
+/// Sweeps the whole table once, as of `now`.
+pub async fn sweep<K: KeyStore>(keys: &K, now: Millis, options: Options, progress: &impl Progress) -> Report {
     let started = Instant::now();
-    let gone_before = Millis::now().minus(options.grace);
+    let gone_before = now.minus(options.grace);
     let mut pace = tokio::time::interval(Duration::from_secs(1) / options.rate.max(1));
     pace.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let pace: Arc<Mutex<Interval>> = Arc::new(Mutex::new(pace));
@@ -128,7 +128,7 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
             _ = stop.changed() => return,
             () = tokio::time::sleep(interval) => {}
         }
-        let report = sweep(engine.keys(), options, &Silent).await;
+        let report = sweep(engine.keys(), engine.clock().now(), options, &Silent).await;
         if report.deleted > 0 || !report.failures.is_empty() {
             tracing::info!(deleted = report.deleted, failures = report.failures.len(), "expiry sweep");
         }

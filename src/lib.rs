@@ -34,7 +34,9 @@
 //! do (`tests/it/layers.rs` follows every `crate::`, `super::` and `self::`
 //! path to where it is defined and fails on a circle): what several rooms
 //! share, such as secrets and the Standard Webhooks signature, lives in
-//! [`domain`].
+//! [`domain`]. So does the [`domain::Clock`] every part reckons time by
+//! (leases, expiry, holds, the caches): the system's in the service, one a
+//! test moves on instead of waiting.
 //!
 //! The `keyfence` binary (`src/cli/`) serves and operates; the benchmarks
 //! and the rail simulator's command are in `keyfence-tools` (`tools/`).

@@ -87,7 +87,7 @@ pub async fn sweep<K: KeyStore>(
     tick: impl Fn(),
 ) -> SweepReport {
     let mut report = SweepReport::default();
-    let now = Millis::now();
+    let now = engine.clock().now();
     let failed: HashSet<String> = match engine.regions().fresh().await {
         Ok(registry) if registry.is_failed(engine.region()) => {
             report

@@ -127,7 +127,11 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
         return Err(StartupError::Settings(vec![why]));
     }
     let client = keystore::connect(&config.keys).await?;
-    let regions = RegionView::new(RegionStore::new(client.clone(), config.keys.table.clone()), REGION_VIEW_AGE);
+    let regions = RegionView::new(
+        RegionStore::new(client.clone(), config.keys.table.clone()),
+        REGION_VIEW_AGE,
+        config.clock.clone(),
+    );
     let keys = DynamoKeyStore::new(client, config.keys.table.clone());
     let ledger = Ledger::connect(&config.ledger).await?;
     let r = &config.rails;
@@ -144,6 +148,7 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
         max_unknown_attempts: work.max_unknown_attempts,
         probe_backoff: work.probe_backoff(),
         answer_limit: work.answer_limit as usize,
+        clock: config.clock.clone(),
     };
     Ok(Engine::new(keys, ledger, rails, regions, engine_settings))
 }
@@ -201,7 +206,7 @@ impl Application {
             }
         }
         let store = ClientStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
-        let clients = Directory::new(store, settings.fair_use.new_key_lookups);
+        let clients = Directory::new(store, settings.fair_use.new_key_lookups, settings.engine.clock.clone());
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;

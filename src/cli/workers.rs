@@ -275,7 +275,7 @@ pub async fn maintain(args: MaintainArgs) -> anyhow::Result<()> {
         bar.0.enable_steady_tick(std::time::Duration::from_millis(120));
         let options =
             keyfence::expiry::Options { segments: args.segments, rate: args.rate, grace: args.retention.grace };
-        let report = keyfence::expiry::sweep(&keys, options, &bar).await;
+        let report = keyfence::expiry::sweep(&keys, Millis::now(), options, &bar).await;
         bar.0.finish_and_clear();
         if !args.json {
             print!("{}", report.summary());

@@ -22,7 +22,7 @@ use std::time::Duration;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use quick_cache::sync::Cache;
 use serde::Serialize;
-use tokio::time::Instant;
+use std::time::Instant;
 
 use crate::domain::{ApiKey, ClientId};
 
@@ -31,7 +31,7 @@ pub use legacy::Carried;
 pub use profile::{FairUse, Limits, Profile, Refusal};
 pub use store::{ClientStore, ClientsError, KeyRecord};
 
-use crate::domain::Millis;
+use crate::domain::SharedClock;
 
 /// Partition-key prefixes of the items only an operator's CLI writes
 /// (client records, key pointers, and the older layout's client and
@@ -84,6 +84,8 @@ pub struct Directory {
     records: Arc<Lookups<ClientId, Arc<Stored>>>,
     /// Lookups of keys never seen here, a second.
     new_keys: Arc<DefaultDirectRateLimiter>,
+    /// What the caches' ages and the keys' validity are reckoned by.
+    clock: SharedClock,
 }
 
 /// What a lookup found, or why it failed (shared, briefly, with the callers
@@ -106,7 +108,7 @@ impl std::fmt::Debug for Directory {
 impl Directory {
     /// A directory that looks up at most `new_keys_a_second` keys never
     /// seen here a second (twice that at once).
-    pub fn new(store: ClientStore, new_keys_a_second: u32) -> Self {
+    pub fn new(store: ClientStore, new_keys_a_second: u32, clock: SharedClock) -> Self {
         let rate = NonZeroU32::new(new_keys_a_second).unwrap_or(NonZeroU32::MIN);
         let quota = Quota::per_second(rate).allow_burst(rate.saturating_mul(NonZeroU32::new(2).expect("2 > 0")));
         Self {
@@ -115,6 +117,7 @@ impl Directory {
             unknown: Arc::new(Cache::new(UNKNOWN_ENTRIES)),
             records: Arc::new(Cache::new(KNOWN_ENTRIES)),
             new_keys: Arc::new(RateLimiter::direct(quota)),
+            clock,
         }
     }
 
@@ -129,11 +132,11 @@ impl Directory {
         }
         let digest = key.digest();
         let known = self.known.get(&digest);
-        let (owner, looked_up) = match known.filter(|(at, _)| at.elapsed() < CACHE_FOR) {
+        let (owner, looked_up) = match known.filter(|(at, _)| self.clock.since(*at) < CACHE_FOR) {
             Some((_, client)) => (Some(client), false),
             None => {
                 let seen_here = known.is_some();
-                let owner = fresh_or_load(&self.unknown, &digest, async || {
+                let owner = fresh_or_load(&self.unknown, &digest, &self.clock, async || {
                     if !seen_here && self.new_keys.check().is_err() {
                         metrics::counter!("keyfence_client_lookups_total", "outcome" => "deferred").increment(1);
                         return Err(ClientsError::Busy);
@@ -145,7 +148,7 @@ impl Directory {
                 })
                 .await?;
                 if let Some(client) = owner {
-                    self.known.insert(digest.clone(), (Instant::now(), client));
+                    self.known.insert(digest.clone(), (self.clock.instant(), client));
                     self.unknown.remove(&digest);
                 }
                 (owner, true)
@@ -157,7 +160,7 @@ impl Directory {
         // cached record lacks may be newer than it (just rotated in): the
         // record is read again, at most once a digest per cache delay.
         let admits =
-            |stored: &Stored| stored.as_ref().is_some_and(|(record, _)| record.admits(&digest, Millis::now().get()));
+            |stored: &Stored| stored.as_ref().is_some_and(|(record, _)| record.admits(&digest, self.clock.now().get()));
         let mut admitted = admits(&*self.stored(client).await?);
         if !admitted && looked_up {
             self.records.remove(&client);
@@ -174,7 +177,7 @@ impl Directory {
     }
 
     async fn stored(&self, id: ClientId) -> Result<Arc<Stored>, ClientsError> {
-        fresh_or_load(&self.records, &id, async || {
+        fresh_or_load(&self.records, &id, &self.clock, async || {
             let stored = self.store.record(id).await?.map(|(record, profile)| (record, Arc::new(profile)));
             Ok(Arc::new(stored))
         })
@@ -190,6 +193,7 @@ impl Directory {
 async fn fresh_or_load<K, V>(
     cache: &Lookups<K, V>,
     key: &K,
+    clock: &SharedClock,
     load: impl AsyncFnOnce() -> Result<V, ClientsError>,
 ) -> Result<V, ClientsError>
 where
@@ -197,7 +201,7 @@ where
     V: Clone,
 {
     let fresh =
-        |(at, looked): &(Instant, Looked<V>)| at.elapsed() < if looked.is_ok() { CACHE_FOR } else { FAILED_FOR };
+        |(at, looked): &(Instant, Looked<V>)| clock.since(*at) < if looked.is_ok() { CACHE_FOR } else { FAILED_FOR };
     let looked = match cache.get_value_or_guard_async(key).await {
         Ok(entry) if fresh(&entry) => return entry.1.map_err(ClientsError::Store),
         Ok(_) => {
@@ -215,7 +219,7 @@ where
             // caller may find a token free (and the check reads nothing).
             if !matches!(loaded, Err(ClientsError::Busy)) {
                 let shared = loaded.as_ref().map(Clone::clone).map_err(ToString::to_string);
-                let _ = guard.insert((Instant::now(), shared));
+                let _ = guard.insert((clock.instant(), shared));
             }
             loaded
         }

@@ -9,6 +9,7 @@
 mod account;
 mod api_key;
 mod client_id;
+mod clock;
 mod duration;
 mod fence;
 mod idempotency_key;
@@ -30,6 +31,7 @@ pub mod webhook_signature;
 pub use account::normal_account;
 pub use api_key::ApiKey;
 pub use client_id::ClientId;
+pub use clock::{Clock, SharedClock, SystemClock, TestClock};
 pub use duration::{parse_duration, parse_millis, parse_span};
 pub use fence::Fence;
 pub use idempotency_key::{IdempotencyKey, InvalidKey};

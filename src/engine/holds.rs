@@ -13,7 +13,7 @@
 //! dropped) it is no orphan; only one whose request this ledger holds
 //! voided (a leftover's) is.
 
-use crate::domain::{Millis, RecoveryPoint};
+use crate::domain::RecoveryPoint;
 use crate::keystore::{Concluded, Conclusion, HoldEntry, HoldState, KeyStore};
 
 use super::{Engine, EngineError};
@@ -22,7 +22,7 @@ impl<K: KeyStore> Engine<K> {
     /// Releases the orphaned holds on `balance`; returns how many this call released.
     pub async fn release_orphans(&self, balance: &str) -> Result<usize, EngineError> {
         let Some(current) = self.keys.balance(balance).await? else { return Ok(0) };
-        let now = Millis::now();
+        let now = self.settings.clock.now();
         let mut released = 0;
         for hold in current.holds.iter().filter(|h| h.state == HoldState::Held && h.at.plus(self.settings.lease) < now)
         {

@@ -67,9 +67,13 @@ impl Attempt {
         self.fresh && self.at == RecoveryPoint::STARTED && !self.commit_attempted && !self.hold_sent
     }
 
-    /// Extends the lease if a third of it is gone.
-    pub async fn keep_alive<K: KeyStore>(&mut self, keys: &K, length: Duration) -> Result<(), EngineError> {
-        let now = Millis::now();
+    /// Extends the lease if a third of it is gone by `now`.
+    pub async fn keep_alive<K: KeyStore>(
+        &mut self,
+        keys: &K,
+        now: Millis,
+        length: Duration,
+    ) -> Result<(), EngineError> {
         let left = self.lease_until.get().saturating_sub(now.get());
         if u128::from(left) * 3 < length.as_millis() * 2 {
             self.lease_until = keys.heartbeat(&self.record.key, &self.holder, Lease { now, length }).await?;

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::domain::{Retention, StoredResponse};
+use crate::domain::{Retention, SharedClock, StoredResponse};
 use crate::ledger::Ledger;
 use crate::rail::RailClient;
 use crate::regions::RegionView;
@@ -74,6 +74,8 @@ pub struct EngineSettings {
     /// The largest final answer a request may store, in bytes
     /// ([`StoredResponse::size`](crate::domain::StoredResponse::size)).
     pub answer_limit: usize,
+    /// What leases, expiry and holds are reckoned by.
+    pub clock: SharedClock,
 }
 
 /// The engine, over any key store (DynamoDB in the service).
@@ -130,5 +132,10 @@ impl<K> Engine<K> {
     /// How long finished keys are kept.
     pub fn retention(&self) -> Retention {
         self.settings.retention
+    }
+
+    /// The clock this engine reckons leases, expiry and holds by.
+    pub fn clock(&self) -> &SharedClock {
+        &self.settings.clock
     }
 }

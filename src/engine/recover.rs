@@ -33,7 +33,7 @@ impl<K: KeyStore> Engine<K> {
         decode: impl Fn(&str, &[u8]) -> Result<O, EngineError>,
     ) -> Result<Recovery, EngineError> {
         self.check_region().await?;
-        let now = Millis::now();
+        let now = self.settings.clock.now();
         let (taken, by) = if stale.home_region == self.settings.region {
             let owner = Owner::attempt_of(&self.settings.instance);
             let lease = Lease { now, length: self.settings.lease };

@@ -16,7 +16,7 @@
 
 use std::time::Duration;
 
-use crate::domain::{Millis, RecoveryPoint, StoredResponse};
+use crate::domain::{RecoveryPoint, StoredResponse};
 use crate::failpoint;
 use crate::keystore::{Concluded, Conclusion, Finish, HeldBy, Holding, KeyState, KeyStore, KeyStoreError, Release};
 use crate::ledger::external::{self, CallWrites, Intent, Sent};
@@ -140,12 +140,12 @@ impl<K: KeyStore> Engine<K> {
         failpoint::boundary(|| "before-hold".to_owned());
         // Like a commit: once sent, the hold may have been taken, whatever the answer.
         attempt.hold_sent = true;
-        let mut holding = self.keys.hold(&hold, &by, Millis::now()).await?;
+        let mut holding = self.keys.hold(&hold, &by, self.settings.clock.now()).await?;
         // What is left may be held for requests that are gone: given back, it may be enough.
         if let Holding::Exceeded { .. } = holding
             && self.release_orphans(&hold.balance).await? > 0
         {
-            holding = self.keys.hold(&hold, &by, Millis::now()).await?;
+            holding = self.keys.hold(&hold, &by, self.settings.clock.now()).await?;
         }
         let Holding::Exceeded { left } = holding else {
             failpoint::boundary(|| "after-hold".to_owned());
@@ -273,7 +273,7 @@ impl<K: KeyStore> Engine<K> {
         };
         let to = last.point().clone();
         self.check_region().await?;
-        attempt.keep_alive(&self.keys, self.settings.lease).await?;
+        attempt.keep_alive(&self.keys, self.settings.clock.now(), self.settings.lease).await?;
         // A stall here is the classic zombie: the lease looked fresh a moment
         // ago, and the fence check below is what stops the write.
         failpoint::boundary(|| format!("before-phase:{to}"));
@@ -375,7 +375,7 @@ impl<K: KeyStore> Engine<K> {
         attempt: &mut Attempt,
         ext: &ExternalStep,
     ) -> Result<Settled, EngineError> {
-        attempt.keep_alive(&self.keys, self.settings.lease).await?;
+        attempt.keep_alive(&self.keys, self.settings.clock.now(), self.settings.lease).await?;
         let key = wire_key(attempt, ext);
         match self.rails.get(ext.rail)?.send(&key, &instruction(op, attempt, ext)).await {
             CallOutcome::Settled(verdict) => {
@@ -397,7 +397,7 @@ impl<K: KeyStore> Engine<K> {
         attempt: &mut Attempt,
         ext: &ExternalStep,
     ) -> Result<Settled, EngineError> {
-        attempt.keep_alive(&self.keys, self.settings.lease).await?;
+        attempt.keep_alive(&self.keys, self.settings.clock.now(), self.settings.lease).await?;
         let key = wire_key(attempt, ext);
         let sent = instruction(op, attempt, ext);
         if let Some(verdict) = self.notified(attempt, ext, &key, &sent).await? {
@@ -489,8 +489,10 @@ impl<K: KeyStore> Engine<K> {
         };
         // Before the key is finished: a finished key's hold is concluded.
         self.conclude_hold(op, attempt, &response).await?;
-        let finish =
-            Finish { response: response.clone(), expires_at: self.settings.retention.expires_at(Millis::now()) };
+        let finish = Finish {
+            response: response.clone(),
+            expires_at: self.settings.retention.expires_at(self.settings.clock.now()),
+        };
         let record = &attempt.record;
         match self.keys.finish(&record.key, &attempt.holder, &finish).await {
             Ok(_) => {

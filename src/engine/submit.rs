@@ -34,7 +34,7 @@ impl<K: KeyStore> Engine<K> {
     #[tracing::instrument(skip_all, fields(key = %submission.key))]
     pub async fn submit<O: Operation>(&self, submission: Submission<O>) -> Result<Answer, EngineError> {
         self.before_claim(&submission.operation).await?;
-        let now = Millis::now();
+        let now = self.settings.clock.now();
         if let Some(known) = self.answers.recall(&submission.key, now, &self.settings.retention) {
             metrics::counter!("keyfence_replays_from_memory_total").increment(1);
             if known.request_hash != submission.request_hash {
@@ -73,7 +73,7 @@ impl<K: KeyStore> Engine<K> {
     /// The live item of `key`, if one is held: an item past its retention
     /// only waits to be reaped, and counts as gone.
     pub async fn live_item(&self, key: &ScopedKey) -> Result<Option<KeyItem>, EngineError> {
-        let gone_before = self.settings.retention.gone_before(Millis::now());
+        let gone_before = self.settings.retention.gone_before(self.settings.clock.now());
         Ok(self.keys.get(key).await?.filter(|item| !item.expired(gone_before)))
     }
 
@@ -91,7 +91,7 @@ impl<K: KeyStore> Engine<K> {
         existing: &KeyItem,
     ) -> Result<Answer, EngineError> {
         self.before_claim(&submission.operation).await?;
-        self.on_existing(&submission.operation, existing, &submission.request_hash, Millis::now()).await
+        self.on_existing(&submission.operation, existing, &submission.request_hash, self.settings.clock.now()).await
     }
 
     /// What every request passes before it claims or acts on a claim: this

@@ -12,7 +12,7 @@ use time::format_description::well_known::Rfc3339;
 
 use super::extract::Caller;
 use super::{ApiError, AppState};
-use crate::domain::{IdempotencyKey, InvalidKey, Millis, ScopedKey};
+use crate::domain::{IdempotencyKey, InvalidKey, ScopedKey};
 use crate::engine::EngineError;
 use crate::keystore::KeyStore;
 
@@ -30,7 +30,7 @@ pub async fn show(
         .get(&ScopedKey::new(client, key))
         .await
         .map_err(EngineError::from)?
-        .filter(|item| !item.expired(state.engine.retention().gone_before(Millis::now())))
+        .filter(|item| !item.expired(state.engine.retention().gone_before(state.engine.clock().now())))
         .ok_or(ApiError::NotFound)?;
     let created_at = crate::ledger::timestamp(item.created_at).format(&Rfc3339).ok();
     Ok(Json(json!({

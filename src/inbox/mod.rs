@@ -41,7 +41,6 @@ use std::sync::Arc;
 
 use sqlx::{Postgres, Transaction};
 
-use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
 use crate::keystore::{Concluded, Conclusion, Frozen, HeldBy, Holding, KeyState, KeyStore};
 use crate::ledger::inbox::{
@@ -194,7 +193,10 @@ pub async fn resume<K: KeyStore>(engine: &Engine<K>, in_flight: &InFlight) {
             return;
         }
     };
-    if item.state != KeyState::Started || item.created_at != in_flight.created_at || item.lease_until > Millis::now() {
+    if item.state != KeyState::Started
+        || item.created_at != in_flight.created_at
+        || item.lease_until > engine.clock().now()
+    {
         return;
     }
     if let Err(e) = engine.recover(&item.stale(), Registered::decode).await {
@@ -262,7 +264,8 @@ async fn return_payment<K: KeyStore>(
 ) -> Result<Taken, EngineError> {
     let taken = |effect| Ok(Taken { effect, refund: false });
     let paid = payments::current(tx, pending.payment_id).await?;
-    let frozen = Frozen { by: format!("return {} from {}", pending.message_id, pending.rail), at: Millis::now() };
+    let frozen =
+        Frozen { by: format!("return {} from {}", pending.message_id, pending.rail), at: engine.clock().now() };
     engine.keys().freeze(&RefundOperation::balance_of(pending.payment_id), paid.amount_minor, &frozen).await?;
     if paid.status == "voided" {
         return taken(ReturnEffect::Unmatched(LEFTOVER));
@@ -277,7 +280,7 @@ async fn return_payment<K: KeyStore>(
         created_at: pending.created_at,
         region: engine.region().to_owned(),
     };
-    if let Holding::Exceeded { .. } = engine.keys().hold(&hold, &by, Millis::now()).await? {
+    if let Holding::Exceeded { .. } = engine.keys().hold(&hold, &by, engine.clock().now()).await? {
         return taken(ReturnEffect::Unmatched(
             "the payment has refunds, made or in flight: the return overlaps them; settle it with the rail",
         ));

@@ -94,7 +94,7 @@ pub async fn run<K: KeyStore>(
     let started = Instant::now();
     let retention = engine.retention();
     let thresholds = Thresholds {
-        now: Millis::now(),
+        now: engine.clock().now(),
         stale_after: options.stale_after,
         unknown_after: options.unknown_after,
         retention: retention.keep + retention.grace,

@@ -59,7 +59,7 @@ pub(super) async fn repair<K: KeyStore>(engine: &Engine<K>, found: &Found) -> Re
     }
     let acted = match (class, key, ledger) {
         (Class::PaymentMissing, Some(key), ledger) => rebuild(engine, key, ledger).await?,
-        (Class::UnknownOutcome, Some(key), _) if key.lease_until >= Millis::now() => Acted::Unresolved(format!(
+        (Class::UnknownOutcome, Some(key), _) if key.lease_until >= engine.clock().now() => Acted::Unresolved(format!(
             "left alone: a live owner holds the lease (until {}) and probes the rail itself",
             key.lease_until.get()
         )),

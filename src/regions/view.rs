@@ -10,22 +10,25 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
 use super::{RegionStore, RegionsError, Registry};
+use crate::domain::SharedClock;
 
 #[derive(Clone, Debug)]
 pub struct RegionView {
     store: RegionStore,
     max_age: Duration,
+    /// What the view's age is reckoned by.
+    clock: SharedClock,
     cached: Arc<RwLock<(Option<Instant>, Arc<Registry>)>>,
     /// Held by the one reader refreshing a stale view.
     refreshing: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl RegionView {
-    pub fn new(store: RegionStore, max_age: Duration) -> Self {
-        Self { store, max_age, cached: Arc::default(), refreshing: Arc::default() }
+    pub fn new(store: RegionStore, max_age: Duration, clock: SharedClock) -> Self {
+        Self { store, max_age, clock, cached: Arc::default(), refreshing: Arc::default() }
     }
 
     pub fn store(&self) -> &RegionStore {
@@ -36,7 +39,7 @@ impl RegionView {
     /// another caller refreshes it).
     pub async fn current(&self) -> Arc<Registry> {
         let (read_at, registry) = self.cached();
-        if read_at.is_some_and(|at| at.elapsed() < self.max_age) {
+        if read_at.is_some_and(|at| self.clock.since(at) < self.max_age) {
             return registry;
         }
         // Never read yet: wait for the first read rather than guess.
@@ -76,7 +79,7 @@ impl RegionView {
             metrics::gauge!("keyfence_region_declared_failed", "region" => change.region.clone()).set(failed);
         }
         let registry = Arc::new(registry);
-        *self.cached.write().unwrap_or_else(|p| p.into_inner()) = (Some(Instant::now()), registry.clone());
+        *self.cached.write().unwrap_or_else(|p| p.into_inner()) = (Some(self.clock.instant()), registry.clone());
         registry
     }
 }

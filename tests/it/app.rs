@@ -3,12 +3,13 @@
 //! service itself on a random port, and a client with an API key.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use keyfence::clients::ClientStore;
 use keyfence::config::{EngineConfig, PartitionSettings, RailSettings, ServeSettings, WorkSettings};
 use keyfence::domain::{ApiKey, ClientId};
-use keyfence::domain::{RailSecrets, RegionSecret};
+use keyfence::domain::{RailSecrets, RegionSecret, SharedClock, TestClock};
 use keyfence::keystore::CONTROL_PREFIX;
 use keyfence::rail::sim::Simulator;
 use keyfence::rail::{Applied, Declined};
@@ -140,6 +141,10 @@ pub struct TestApp {
     pub e1: TestRail,
     pub e2: TestRail,
     pub api_key: String,
+    /// The clock every instance of this deployment started here reckons
+    /// by (leases, expiry, the caches): a test moves it on instead of
+    /// waiting.
+    pub clock: Arc<TestClock>,
     _stop: oneshot::Sender<()>,
 }
 
@@ -179,9 +184,11 @@ pub async fn spawn_app_with(adjust: impl FnOnce(&mut ServeSettings)) -> TestApp 
 pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut ServeSettings)) -> TestApp {
     let keys = TestKeys::new().await;
     let db = TestLedger::new().await;
+    let clock = Arc::new(TestClock::default());
     let mut settings = ServeSettings {
         engine: EngineConfig {
             defaulted: Vec::new(),
+            clock: SharedClock::new(clock.clone()),
             keys: keys.settings.clone(),
             ledger: db.settings.clone(),
             rails: RailSettings {
@@ -247,6 +254,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         e1,
         e2,
         api_key: api_key.reveal().to_owned(),
+        clock,
         _stop: stop,
     }
 }

@@ -75,7 +75,7 @@ async fn migrate_carries_a_ledgers_clients_into_the_key_table() {
     assert_eq!((record.id.as_uuid(), record.name.as_str()), (id, "old client"));
     // A client from before accounts held none: its accounts are added.
     cli(&app, &["accounts", "add", "--client", &record.id.to_string(), "--account", DEBTOR]).await;
-    tokio::time::sleep(CACHE_FOR).await;
+    app.clock.advance(CACHE_FOR);
     assert_eq!(app.pay_as(key.reveal(), "old-1", &payment("E2E-OLD")).await.status(), StatusCode::CREATED);
     cli(&app, &["migrate"]).await;
     assert_eq!(app.clients().list().await.unwrap().len(), 2, "a second migrate copies nothing twice");
@@ -148,7 +148,7 @@ async fn migrate_moves_clients_of_the_older_layout_into_their_records() {
     let dropped = cli(&app, &["migrate", "--drop-older-clients"]).await;
     assert!(dropped.contains("2 item(s) of the older layout deleted"), "{dropped}");
     assert!(old_profile().await.unwrap().item().is_none(), "the old items are gone");
-    tokio::time::sleep(CACHE_FOR).await;
+    app.clock.advance(CACHE_FOR);
     let refused = app.pay_as(key.reveal(), "old-layout-3", &payment("E2E-OLD-LAYOUT-3")).await;
     assert_eq!(refused.status(), StatusCode::UNAUTHORIZED, "the revocation held");
 }

@@ -273,11 +273,16 @@ fn settings() -> EngineSettings {
         max_unknown_attempts: 5,
         probe_backoff: keyfence::domain::ProbeBackoff { first: Duration::ZERO, max: Duration::ZERO },
         answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
+        clock: Default::default(),
     }
 }
 
 fn regions_of(keys: &TestKeys) -> RegionView {
-    RegionView::new(RegionStore::new(keys.store.client().clone(), keys.store.table()), REGION_VIEW_AGE)
+    RegionView::new(
+        RegionStore::new(keys.store.client().clone(), keys.store.table()),
+        REGION_VIEW_AGE,
+        Default::default(),
+    )
 }
 
 /// What `work` gives, and how many statements sqlx sent to PostgreSQL for

@@ -143,7 +143,7 @@ async fn made_up_bearer_tokens_cost_at_most_one_lookup_each() {
 async fn a_flood_of_distinct_made_up_keys_costs_the_key_table_its_budget_at_most() {
     let app = spawn_app_with(|s| s.fair_use.new_key_lookups = 20).await;
     assert_eq!(app.pay("honest-1", &payment("E2E-HONEST-1")).await.status(), StatusCode::CREATED);
-    tokio::time::sleep(keyfence::clients::CACHE_FOR).await;
+    app.clock.advance(keyfence::clients::CACHE_FOR);
     let before = lookups(&app, "unknown").await + lookups(&app, "found").await;
     let started = std::time::Instant::now();
     let flood = (0..300).map(|_| {
@@ -184,7 +184,7 @@ async fn a_client_pays_only_from_accounts_it_holds() {
     assert!(app.e2.statement().await.is_empty(), "nothing at the rails");
 
     app.clients().change_accounts(b, &["GB29NWBK60161331926819".to_owned()], true).await.unwrap();
-    tokio::time::sleep(keyfence::clients::CACHE_FOR + std::time::Duration::from_millis(200)).await;
+    app.clock.advance(keyfence::clients::CACHE_FOR);
     let paid = app.pay_as(&b_key, "own-1", &nobodys).await;
     assert_eq!(paid.status(), StatusCode::CREATED, "the same key pays once the account is B's");
     let shown: Value = paid.json().await.unwrap();
@@ -201,7 +201,7 @@ async fn a_client_pays_only_from_accounts_it_holds() {
     // The account is taken away again: a retry of the payment it made is
     // still the replay of that payment, not a refusal saying nothing happened.
     app.clients().change_accounts(b, &["GB29NWBK60161331926819".to_owned()], false).await.unwrap();
-    tokio::time::sleep(keyfence::clients::CACHE_FOR + std::time::Duration::from_millis(200)).await;
+    app.clock.advance(keyfence::clients::CACHE_FOR);
     let (fresh, _stop) = crate::app::start_instance(&app.settings).await;
     let retry = app.try_pay_at(&fresh, &b_key, "own-1", &nobodys).await.unwrap();
     assert_eq!(retry.status(), StatusCode::CREATED, "a replay");

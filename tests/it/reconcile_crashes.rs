@@ -17,7 +17,8 @@ async fn crash_at(app: &TestApp, failpoint: &str, key: &str) -> ScopedKey {
     let mut doomed = ServeProcess::start(app, Some(&format!("{failpoint}=return")), 0).await;
     assert!(app.try_pay_at(&doomed.url, &app.api_key, key, &payment("E2E-RC")).await.is_err());
     doomed.exited().await;
-    tokio::time::sleep(std::time::Duration::from_millis(LEASE_MS + 100)).await;
+    // Past its lease, as the reconciler (in this process) reckons.
+    app.clock.advance(std::time::Duration::from_millis(LEASE_MS + 100));
     ScopedKey::new(app.client_id().await, IdempotencyKey::parse(key).unwrap())
 }
 

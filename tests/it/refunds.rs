@@ -129,7 +129,7 @@ async fn partial_refunds_in_two_regions_at_once_never_exceed_the_payment() {
     // Until the first region's view of the registry names the second (each
     // keeps its view up to REGION_VIEW_AGE): its listing asks only the
     // regions it knows of.
-    tokio::time::sleep(keyfence::startup::REGION_VIEW_AGE + Duration::from_millis(100)).await;
+    app.clock.advance(keyfence::startup::REGION_VIEW_AGE);
     let paid = app.paid("E2E-REFUND-SPLIT").await;
     let tenth = PAID / 10;
     let answers = join_all((0..20).map(|i| {

@@ -6,7 +6,6 @@
 //! 401, and a right one is answered, signed.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Uri};
@@ -57,7 +56,7 @@ async fn a_url_in_the_key_table_gets_no_api_key_and_its_forged_answers_are_not_s
     let (evil, seen) = recorder().await;
     let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
     store.advertise("test-9", &evil.url).await.unwrap();
-    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+    app.clock.advance(REGION_VIEW_AGE);
 
     let id = uuid::Uuid::new_v4();
     let one = app.get_as(&app.api_key, &format!("/v1/payments/{id}")).await;

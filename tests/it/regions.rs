@@ -25,10 +25,17 @@ fn store(app: &TestApp) -> RegionStore {
     RegionStore::new(app.keys.store.client().clone(), app.keys.store.table())
 }
 
-/// Declares `region` in `state`, then waits until every instance has seen it.
-async fn declare(app: &TestApp, region: &str, state: RegionState) {
+/// Declares `region` in `state`, then moves time on until every instance
+/// in this process sees it, and waits for the region's instance here to
+/// bring its ledger's fence in line (it does, on a round of its own).
+pub async fn declare(app: &TestApp, region: &str, state: RegionState) {
     regions::declare(&store(app), None, region, state, "test", "drill").await.unwrap();
-    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+    app.clock.advance(REGION_VIEW_AGE);
+    if region == app.settings.engine.work.region {
+        let failed = state == RegionState::Failed;
+        let follows = async || app.db.ledger.region_fence().await.is_ok_and(|fence| fence.failed == failed);
+        crate::harness::eventually("the ledger's fence follows the registry", follows).await;
+    }
 }
 
 async fn payments_in(pool: &sqlx::PgPool, status: &str) -> i64 {
@@ -289,7 +296,7 @@ async fn a_restore_without_the_ledger_still_opens_it_through_the_regions_instanc
     let app = spawn_app().await;
     let body = payment("E2E-REOPENED");
     regions::declare(&store(&app), Some(&app.db.ledger), "test-1", RegionState::Failed, "test", "drill").await.unwrap();
-    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+    app.clock.advance(REGION_VIEW_AGE);
     let ready: Value = app.http.get(format!("{}/readyz", app.admin_url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(ready["ledger_fence"]["state"], "failed", "{ready}");
 

@@ -56,7 +56,7 @@ async fn a_rotated_key_keeps_the_clients_history_and_the_old_one_works_through_i
     assert_eq!(retried.bytes().await.unwrap(), first, "the same bytes");
     // The old key works through its grace.
     assert_eq!(app.pay("rotate-2", &payment("E2E-ROTATE-2")).await.status(), StatusCode::CREATED);
-    tokio::time::sleep(Duration::from_secs(3) + CACHE_FOR).await;
+    app.clock.advance(Duration::from_secs(3) + CACHE_FOR);
     assert_eq!(app.pay("rotate-3", &payment("E2E-ROTATE-3")).await.status(), StatusCode::UNAUTHORIZED, "past it");
     assert_eq!(app.pay_as(&new_key, "rotate-3", &payment("E2E-ROTATE-3")).await.status(), StatusCode::CREATED);
     assert_eq!(app.e2.statement().await.len(), 3, "one instruction per payment, none for the replay");
@@ -153,7 +153,7 @@ async fn revoking_and_listing_read_only_the_clients_items_among_20000_keys() {
     let a_client = std::mem::take(&mut *seen.lock().unwrap());
     assert_eq!(a_client, ["UpdateItem"], "revoking a client");
 
-    tokio::time::sleep(CACHE_FOR).await;
+    app.clock.advance(CACHE_FOR);
     assert_eq!(app.pay("revoked-1", &payment("E2E-REVOKED-1")).await.status(), StatusCode::UNAUTHORIZED);
     assert_eq!(app.pay_as(&other_key, "revoked-2", &payment("E2E-REVOKED-2")).await.status(), StatusCode::UNAUTHORIZED);
 }

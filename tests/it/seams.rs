@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use keyfence::config::{RetentionSettings, ServeSettings};
 use keyfence::domain::RegionSecret;
-use keyfence::domain::{IdempotencyKey, Millis, ScopedKey};
+use keyfence::domain::{Clock as _, IdempotencyKey, Millis, ScopedKey};
 use keyfence::http::Asking;
 use keyfence::keystore::{INFLIGHT_SHARDS, KeyStore};
 use keyfence::reconcile::{Class, Report};
-use keyfence::regions::{self, RegionState, RegionStore};
+use keyfence::regions::{RegionState, RegionStore};
 use keyfence::startup::REGION_VIEW_AGE;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -33,10 +33,10 @@ fn short_retention(settings: &mut ServeSettings) {
     };
 }
 
+/// Declares region A in `state` (every instance of A in a process of its
+/// own is dead by then).
 async fn declare(app: &TestApp, state: RegionState) {
-    let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
-    regions::declare(&store, None, "test-1", state, "sre", "region A went dark").await.unwrap();
-    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+    crate::regions::declare(app, "test-1", state).await;
 }
 
 fn classes(report: &Report) -> Vec<Class> {
@@ -58,20 +58,24 @@ async fn moved_to_b(app: &TestApp, b: &TestRegion, key: &str) -> (ScopedKey, Val
     (scoped, done.json().await.unwrap())
 }
 
-/// The key's retention (and its grace) runs out; the sweeper deletes it.
+/// Time moves past the key's retention (and its grace); the sweeper
+/// deletes it.
 async fn expire(app: &TestApp, key: &ScopedKey) {
     let item = app.keys.store.get(key).await.unwrap().expect("the key is there");
     let gone_at = Millis::new((item.expires_at.unwrap() + 4 + 1) * 1000);
-    tokio::time::sleep(Duration::from_millis(gone_at.get().saturating_sub(Millis::now().get()))).await;
-    let run = keyfence_command(app, "maintain")
-        .args(["--expire", "--json"])
-        .env("KEYFENCE_RETENTION_GRACE", "4s")
-        .output()
-        .await
-        .unwrap();
-    let report: Value = serde_json::from_slice(&run.stdout).unwrap();
-    assert_eq!(report["deleted"], 1, "{report}");
+    app.clock.advance(Duration::from_millis(gone_at.get().saturating_sub(app.clock.now().get())));
+    let options = keyfence::expiry::Options { segments: 1, rate: 50, grace: Duration::from_secs(4) };
+    let report = keyfence::expiry::sweep(&app.keys.store, app.clock.now(), options, &Unwatched).await;
+    assert_eq!(report.deleted, 1, "{report:?}");
     assert_eq!(app.keys.store.get(key).await.unwrap(), None, "the key is gone");
+}
+
+/// A sweep nobody watches.
+struct Unwatched;
+
+impl keyfence::expiry::Progress for Unwatched {
+    fn scanned(&self, _: usize) {}
+    fn deleted(&self, _: usize) {}
 }
 
 async fn scalar(pool: &sqlx::PgPool, sql: &'static str) -> String {
@@ -253,7 +257,7 @@ async fn a_read_forwarded_to_the_wrong_region_is_refused_and_never_a_404() {
     let id = paid.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
     let store = RegionStore::new(app.keys.store.client().clone(), app.keys.store.table());
     store.advertise("test-2", &app.url).await.unwrap();
-    tokio::time::sleep(REGION_VIEW_AGE + Duration::from_millis(100)).await;
+    app.clock.advance(REGION_VIEW_AGE);
 
     let (status, problem) = read(&app, &app.url, &format!("/v1/payments/{id}")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{problem}");

@@ -143,7 +143,11 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> anyh
             RailClient::new("screening", &e1, Duration::from_secs(2), 3),
             RailClient::new("payment", &e2, Duration::from_secs(2), 3),
         ]),
-        RegionView::new(RegionStore::new(client.clone(), keys_settings.table.clone()), REGION_VIEW_AGE),
+        RegionView::new(
+            RegionStore::new(client.clone(), keys_settings.table.clone()),
+            REGION_VIEW_AGE,
+            Default::default(),
+        ),
         EngineSettings {
             region: stores.region.to_owned(),
             instance: "bench".into(),
@@ -152,6 +156,7 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> anyh
             max_unknown_attempts: 5,
             probe_backoff: keyfence::domain::ProbeBackoff { first: Duration::ZERO, max: Duration::ZERO },
             answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
+            clock: Default::default(),
         },
     );
 
