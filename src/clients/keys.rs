@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use super::ClientRecord;
-use super::store::{Attrs, ClientStore, ClientsError, KeyRecord, n, pointer, pointer_pk, record_pk, s, store, version};
+use super::store::{ClientStore, ClientsError, KeyRecord, n, pointer, pointer_pk, record_pk, s, store, version};
 use crate::domain::{ApiKey, ClientId, Millis};
 
 /// Times a rotation is tried when the record changes under it.
@@ -151,21 +151,12 @@ impl ClientStore {
 
     /// Client `id`'s record, refused if revoked, and the version read.
     async fn live_record(&self, id: ClientId) -> Result<(ClientRecord, u64), ClientsError> {
-        let out = self
-            .client()
-            .get_item()
-            .table_name(self.table())
-            .key("pk", s(record_pk(id)))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(store)?;
-        let item: &Attrs = out.item().ok_or(ClientsError::Unknown(id))?;
-        let record = super::store::decode(item)?;
+        let item = self.record_item(id).await?.ok_or(ClientsError::Unknown(id))?;
+        let record = super::store::decode(&item)?;
         if record.revoked_at.is_some() {
             return Err(ClientsError::Revoked(id));
         }
-        Ok((record, version(item)?))
+        Ok((record, version(&item)?))
     }
 }
 

@@ -11,7 +11,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use serde::Serialize;
 
 use super::ClientRecord;
-use super::store::{ClientStore, ClientsError, decode as decode_record, number, record_pk, s, store};
+use super::store::{ClientStore, ClientsError, decode as decode_record, number, record_pk, store};
 use crate::domain::{ClientId, PaymentRequest};
 
 /// What a client may pay from, and within which limits.
@@ -84,16 +84,7 @@ pub struct Limits {
 impl ClientStore {
     /// Client `id`'s record and profile, if it exists.
     pub async fn record(&self, id: ClientId) -> Result<Option<(ClientRecord, Profile)>, ClientsError> {
-        let out = self
-            .client()
-            .get_item()
-            .table_name(self.table())
-            .key("pk", s(record_pk(id)))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(store)?;
-        out.item().map(|item| Ok((decode_record(item)?, decode(item)?))).transpose()
+        self.record_item(id).await?.map(|item| Ok((decode_record(&item)?, decode(&item)?))).transpose()
     }
 
     /// The profile of client `id` (empty if it has none, or is unknown).

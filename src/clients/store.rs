@@ -120,6 +120,20 @@ impl ClientStore {
         &self.table
     }
 
+    /// Client `id`'s record item as it is now (a strongly consistent read).
+    pub(super) async fn record_item(&self, id: ClientId) -> Result<Option<Attrs>, ClientsError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key("pk", s(record_pk(id)))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(store)?;
+        Ok(out.item)
+    }
+
     /// Registers a new client holding the (new) API key `key`.
     pub async fn add(&self, name: &str, key: &ApiKey) -> Result<ClientRecord, ClientsError> {
         let now = Millis::now().get();
