@@ -84,7 +84,8 @@ pub struct Directory {
     records: Arc<Lookups<ClientId, Arc<Stored>>>,
     /// Lookups of keys never seen here, a second.
     new_keys: Arc<DefaultDirectRateLimiter>,
-    /// What the caches' ages and the keys' validity are reckoned by.
+    /// What the caches' ages, and the keys' validity when presented, are
+    /// reckoned by.
     clock: SharedClock,
 }
 
@@ -132,6 +133,7 @@ impl Directory {
         }
         let digest = key.digest();
         let known = self.known.get(&digest);
+        let asked = self.clock.instant();
         let (owner, looked_up) = match known.filter(|(at, _)| self.clock.since(*at) < CACHE_FOR) {
             Some((_, client)) => (Some(client), false),
             None => {
@@ -148,7 +150,7 @@ impl Directory {
                 })
                 .await?;
                 if let Some(client) = owner {
-                    self.known.insert(digest.clone(), (self.clock.instant(), client));
+                    self.known.insert(digest.clone(), (asked, client));
                     self.unknown.remove(&digest);
                 }
                 (owner, true)
@@ -214,12 +216,15 @@ where
         // Loaded meanwhile by another caller.
         Ok((_, looked)) => looked.map_err(ClientsError::Store),
         Err(guard) => {
+            // Its age counts from the asking: a load that straddled a change
+            // is not taken for one made after it.
+            let asked = clock.instant();
             let loaded = load().await;
             // Past the budget for new keys is no outcome to share: the next
             // caller may find a token free (and the check reads nothing).
             if !matches!(loaded, Err(ClientsError::Busy)) {
                 let shared = loaded.as_ref().map(Clone::clone).map_err(ToString::to_string);
-                let _ = guard.insert((clock.instant(), shared));
+                let _ = guard.insert((asked, shared));
             }
             loaded
         }

@@ -1,8 +1,11 @@
-//! `Clock`: where the service reads the time. Leases, expiry, holds and the
-//! caches ask the clock they were given, never the system's directly, so a
-//! test moves time forward ([`TestClock::advance`]) instead of waiting for
-//! it. The service runs on [`SystemClock`]; a [`SharedClock`] is the handle
-//! every part holds (cloned, one clock for an instance).
+//! `Clock`: where the service reads the time it decides by. The engine
+//! (leases, expiry, holds), the workers beside it and the caches of the
+//! registry and the clients ask the clock they were given, not the
+//! system's, so a test moves time forward ([`TestClock::advance`]) instead
+//! of waiting for it. Times a store merely records (when a client or a key
+//! was made, when a region was declared) and PostgreSQL's own `now()` stay
+//! the system's. The service runs on [`SystemClock`]; a [`SharedClock`] is
+//! the handle every part holds (cloned, one clock for an instance).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

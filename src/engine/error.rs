@@ -19,8 +19,9 @@ pub enum EngineError {
     /// A store or an external system is briefly unavailable; retry.
     #[error("temporarily unavailable: {0}")]
     Transient(#[source] Cause),
-    /// Something that retrying will not fix, found below the engine or in
-    /// what it stored: a person must look (the request is handed back).
+    /// Something that retrying will not fix, kept with its cause: a store's
+    /// failure, a value that does not read or encode, a task that ended
+    /// without an answer. A person must look (the request is handed back).
     #[error("fault: {0}")]
     Broken(#[source] Cause),
     /// A rule the engine keeps does not hold (a defect, not a failure of
@@ -66,7 +67,7 @@ pub enum Cause {
     /// (or encode) as what it is: `what` it is, and why not.
     #[error("{what}: {source}")]
     Record {
-        what: &'static str,
+        what: String,
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
@@ -77,8 +78,8 @@ pub enum Cause {
 
 impl EngineError {
     /// A stored value (`what`) that does not read or encode, kept whole.
-    pub fn record(what: &'static str, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
-        EngineError::Broken(Cause::Record { what, source: source.into() })
+    pub fn record(what: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        EngineError::Broken(Cause::Record { what: what.into(), source: source.into() })
     }
 
     /// A failure the key is handed back after: the next actor resumes.

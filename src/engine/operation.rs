@@ -70,7 +70,7 @@ impl StepContext<'_> {
         let result = external::outcome_of(self.conn().await?, request, step)
             .await?
             .ok_or_else(|| EngineError::Fault(format!("no recorded outcome for {step}")))?;
-        serde_json::from_value(result).map_err(|e| EngineError::record("a recorded external outcome", e))
+        serde_json::from_value(result).map_err(|e| EngineError::record(format!("the recorded outcome of {step}"), e))
     }
 }
 

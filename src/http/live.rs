@@ -106,7 +106,7 @@ pub async fn judge<K: KeyStore>(
     let created_at = crate::ledger::millis(held.request_created_at);
     let key = IdempotencyKey::parse(held.idem_key)
         .map(|key| ScopedKey::new(client, key))
-        .map_err(|e| EngineError::record("a stored idempotency key", e))?;
+        .map_err(|e| EngineError::record(format!("stored key {:?}", held.idem_key), e))?;
     Ok(match engine.moved_away(&key, created_at).await? {
         Some(moved) => Standing::Leftover { home: moved.home },
         None if status == "voided" => Standing::Leftover { home: None },

@@ -103,8 +103,8 @@ async fn count_answers(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
     if let Some(problem::Failure(why)) = response.extensions().get() {
         match response.status() {
-            StatusCode::INTERNAL_SERVER_ERROR => tracing::error!(error = %why, "internal error"),
-            _ => tracing::warn!(error = %why, "temporarily unavailable"),
+            StatusCode::INTERNAL_SERVER_ERROR => tracing::error!(route, error = %why, "internal error"),
+            _ => tracing::warn!(route, error = %why, "temporarily unavailable"),
         }
     }
     let replayed = response.headers().contains_key("idempotent-replayed");

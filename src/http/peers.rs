@@ -56,6 +56,8 @@ pub enum PeerError {
     Url { base: String, why: &'static str },
     #[error("could not be asked: {0}")]
     Unreachable(#[source] reqwest::Error),
+    #[error("its answer was cut short: {0}")]
+    Cut(#[source] reqwest::Error),
     #[error("its answer is over the size limit")]
     TooLarge,
     #[error("its answer ({0}) is without the region's signature: not believed")]
@@ -66,6 +68,8 @@ pub enum PeerError {
     Unreadable(#[source] serde_json::Error),
     #[error("it answered about another payment than asked")]
     Other,
+    #[error("its listing is not a listing of what was asked")]
+    Unwanted,
 }
 
 /// What the other regions said of one payment.
@@ -162,7 +166,7 @@ impl Peers {
             let page = self.get(asker, region, url, path, query).await.and_then(|answer| match answer {
                 Some(Value::Object(mut page)) => match page.remove("data") {
                     Some(Value::Array(items)) if items.iter().all(&wanted) => Ok(items),
-                    _ => Err(PeerError::Other),
+                    _ => Err(PeerError::Unwanted),
                 },
                 _ => Ok(Vec::new()),
             });
@@ -260,7 +264,7 @@ impl Peers {
         let status = sent.status();
         let answer_headers = std::mem::take(sent.headers_mut());
         let mut body = Vec::new();
-        while let Some(chunk) = sent.chunk().await.map_err(PeerError::Unreachable)? {
+        while let Some(chunk) = sent.chunk().await.map_err(PeerError::Cut)? {
             if body.len() + chunk.len() > MAX_ANSWER {
                 return Err(PeerError::TooLarge);
             }

@@ -1,6 +1,7 @@
 //! `ApiError`: every answer that is not a success, as RFC 9457
 //! `application/problem+json`. One exhaustive match maps each to its status;
-//! internal details are logged once here and never sent to the client.
+//! the cause of a 503 or a 500 rides on the answer (never in its body) to
+//! the layer that sees every answer, which logs it once.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -79,7 +79,7 @@ async fn order(
         "creditor_account": payment["creditor_account"],
         "end_to_end_id": payment["end_to_end_id"],
     }))
-    .map_err(|e| ApiError::from(EngineError::record("a payment as shown", e)))?;
+    .map_err(|e| ApiError::from(EngineError::record(format!("payment {payment_id} as shown"), e)))?;
     if payment.id != payment_id {
         return Err(ApiError::internal(format!("asked for payment {payment_id}, shown {}", payment.id)));
     }

@@ -26,7 +26,6 @@ use std::time::Duration;
 
 use futures::future::join_all;
 
-use crate::domain::Millis;
 use crate::engine::{Engine, EngineError};
 use crate::keystore::KeyStore;
 use crate::ledger::inbox::{HandOnEnd, NOWHERE, Waiting};
@@ -98,7 +97,7 @@ async fn offer<K: KeyStore, H: HandOn>(engine: &Engine<K>, hands: &H, one: &Wait
         Err(e) => tracing::warn!(id = one.message_id, error = %e, "could not tell whether a notification is ours now"),
     }
     let handed = hands.hand_on(one).await;
-    let now = Millis::now();
+    let now = engine.clock().now();
     let (ended, outcome) = match &handed {
         Handed::To(region) => (Some(HandOnEnd::To(region)), "handed"),
         Handed::Nowhere if one.since.plus(OFFERED_FOR) <= now => (Some(HandOnEnd::Kept(NOWHERE)), "nowhere"),

@@ -29,9 +29,9 @@ pub enum LedgerError {
     Corrupt(String),
     /// A value that does not read back (or encode) as what it is: `what`
     /// it is, and why not.
-    #[error("ledger data is corrupt: {what}: {source}")]
+    #[error("a ledger value does not read or encode: {what}: {source}")]
     Unreadable {
-        what: &'static str,
+        what: String,
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
@@ -43,8 +43,8 @@ pub enum LedgerError {
 
 impl LedgerError {
     /// A value (`what`) that does not read or encode, kept whole.
-    pub fn unreadable(what: &'static str, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
-        LedgerError::Unreadable { what, source: source.into() }
+    pub fn unreadable(what: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        LedgerError::Unreadable { what: what.into(), source: source.into() }
     }
 
     /// Whether PostgreSQL refused the statement with SQLSTATE `code`.

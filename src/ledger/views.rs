@@ -60,7 +60,7 @@ const VIEW_COLUMNS: &str =
 impl ViewRow {
     fn into_view(self) -> Result<LedgerView, LedgerError> {
         let key = IdempotencyKey::parse(&self.idem_key)
-            .map_err(|e| LedgerError::unreadable("a stored idempotency key", e))?;
+            .map_err(|e| LedgerError::unreadable(format!("stored key {:?}", self.idem_key), e))?;
         let answer = match (self.response_status, self.response_headers, self.response_body) {
             (Some(status), Some(headers), Some(body)) => {
                 Some(StoredResponse { status: u16::try_from(status).unwrap_or(500), headers: headers.0, body })

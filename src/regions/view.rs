@@ -55,8 +55,9 @@ impl RegionView {
                 guard
             }
         };
+        let asked = self.clock.instant();
         match self.store.read().await {
-            Ok(fresh) => self.keep(fresh),
+            Ok(fresh) => self.keep(fresh, asked),
             Err(e) => {
                 tracing::warn!(error = %e, "could not read the region registry; keeping the last view");
                 registry
@@ -66,20 +67,27 @@ impl RegionView {
 
     /// The registry read now, strongly consistent.
     pub async fn fresh(&self) -> Result<Arc<Registry>, RegionsError> {
-        Ok(self.keep(self.store.read().await?))
+        let asked = self.clock.instant();
+        Ok(self.keep(self.store.read().await?, asked))
     }
 
     fn cached(&self) -> (Option<Instant>, Arc<Registry>) {
         self.cached.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn keep(&self, registry: Registry) -> Arc<Registry> {
+    /// Keeps `registry`, read from a request made at `asked`: its age counts
+    /// from then (a read that straddled a change is not taken for one made
+    /// after it), and it never replaces a view asked for later.
+    fn keep(&self, registry: Registry, asked: Instant) -> Arc<Registry> {
         for change in registry.regions.values() {
             let failed = if change.state == super::RegionState::Failed { 1.0 } else { 0.0 };
             metrics::gauge!("keyfence_region_declared_failed", "region" => change.region.clone()).set(failed);
         }
         let registry = Arc::new(registry);
-        *self.cached.write().unwrap_or_else(|p| p.into_inner()) = (Some(self.clock.instant()), registry.clone());
+        let mut cached = self.cached.write().unwrap_or_else(|p| p.into_inner());
+        if cached.0.is_none_or(|kept| kept <= asked) {
+            *cached = (Some(asked), registry.clone());
+        }
         registry
     }
 }

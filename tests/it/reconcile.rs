@@ -36,7 +36,7 @@ pub async fn reconcile_in(settings: &ServeSettings, repair: bool) -> Report {
     let engine = build_engine(&settings.engine).await.unwrap();
     let options = Options {
         since: Millis::new(0),
-        until: Millis::now().plus(Duration::from_secs(60)),
+        until: settings.engine.clock.now().plus(Duration::from_secs(60)),
         repair,
         stale_after: Duration::ZERO,
         unknown_after: Duration::ZERO,

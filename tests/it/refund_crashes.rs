@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use keyfence::domain::{IdempotencyKey, ScopedKey};
+use keyfence::domain::{Clock as _, IdempotencyKey, ScopedKey};
 use keyfence::keystore::{KeyState, KeyStore};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -188,7 +188,7 @@ async fn refunds_in_flight_in_a_failed_region_finish_in_another_without_overspen
     let a_engine = build_engine(&app.settings.engine).await.unwrap();
     let options = Options {
         since: keyfence::domain::Millis::new(0),
-        until: keyfence::domain::Millis::now().plus(Duration::from_secs(60)),
+        until: app.clock.now().plus(Duration::from_secs(60)),
         repair: true,
         stale_after: Duration::ZERO,
         unknown_after: Duration::ZERO,

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use futures::future::join_all;
-use keyfence::domain::{Fence, IdempotencyKey, ScopedKey};
+use keyfence::domain::{Clock as _, Fence, IdempotencyKey, ScopedKey};
 use keyfence::keystore::{KeyState, KeyStore};
 use keyfence::reconcile::{self, Class, Options};
 use keyfence::recovery;
@@ -155,7 +155,7 @@ async fn a_dead_regions_request_finishes_in_another_once_the_region_is_declared_
     let a_engine = build_engine(&app.settings.engine).await.unwrap();
     let options = Options {
         since: keyfence::domain::Millis::new(0),
-        until: keyfence::domain::Millis::now().plus(Duration::from_secs(60)),
+        until: app.clock.now().plus(Duration::from_secs(60)),
         repair: true,
         stale_after: Duration::ZERO,
         unknown_after: Duration::ZERO,
