@@ -133,14 +133,11 @@ impl Peers {
         let mut asked: Vec<(&str, &str)> = others(registry, me).collect();
         asked.sort_by_key(|(region, _)| Some(*region) != home);
         for (region, url) in asked {
-            let answer = self.get(asker, region, url, &path, &[]).await;
-            match answer.and_then(|found| match found {
-                Some(found) if found["id"].as_str() != Some(id) => Err(PeerError::Other),
-                found => Ok(found),
-            }) {
-                Ok(Some(found)) => return Asked::Found(found),
+            match self.get(asker, region, url, &path, &[]).await {
+                Ok(Some(found)) if found["id"].as_str() == Some(id) => return Asked::Found(found),
                 Ok(None) => {}
-                Err(e) => {
+                answer => {
+                    let e = answer.err().unwrap_or(PeerError::Other);
                     tracing::warn!(region, error = %e, "another region's answer is not had");
                     unreachable.push(region.to_owned());
                 }
