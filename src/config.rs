@@ -264,6 +264,10 @@ pub struct ServeSettings {
           value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
           default_missing_value = "true", action = clap::ArgAction::Set)]
     pub webhooks_allow_private: bool,
+    /// The DNS server (`IP:PORT`) webhook URLs' names are looked up at; else the system's
+    /// (`/etc/resolv.conf`).
+    #[arg(long = "webhooks-resolver", env = "KEYFENCE_WEBHOOKS_RESOLVER")]
+    pub webhooks_resolver: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub webhook_delivery: DeliverySettings,
     /// How often the inbox worker applies what the rails' notifications wait for (returns of
@@ -300,6 +304,15 @@ pub struct ServeSettings {
     /// How long one connection lives, in milliseconds; then it is closed after its request in flight.
     #[arg(long = "max-connection-age-ms", env = "KEYFENCE_MAX_CONNECTION_AGE_MS", default_value = "60000", value_parser = parse_millis)]
     pub max_connection_age: Duration,
+    /// How long a write may wait on a client that reads nothing before its connection is cut
+    /// off, in milliseconds (also the socket's TCP_USER_TIMEOUT).
+    #[arg(long = "write-timeout-ms", env = "KEYFENCE_WRITE_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    pub write_timeout: Duration,
+    /// How long a connection told to close (past its age, or at shutdown) may take to finish
+    /// its request in flight before it is dropped, in milliseconds: `serve` stops within it on
+    /// SIGTERM.
+    #[arg(long = "drain-timeout-ms", env = "KEYFENCE_DRAIN_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    pub drain_timeout: Duration,
     /// How often the recovery worker looks for stale requests, in milliseconds (0: never).
     #[arg(long = "recovery-interval-ms", env = "KEYFENCE_RECOVERY_INTERVAL_MS", default_value_t = 5000)]
     pub recovery_interval_ms: u64,

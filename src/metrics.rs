@@ -11,6 +11,7 @@
 //! | `keyfence_throttled_total` | `reason` | requests turned away: `rate` and `in_flight` (429), `tasks` (503) |
 //! | `keyfence_payment_tasks_in_flight` | | payment tasks running now (a gauge) |
 //! | `keyfence_connections_refused_total` | `reason` | connections closed unanswered: `per_address` |
+//! | `keyfence_connections_dropped_total` | `reason` | connections cut off: `write_stall` (the peer read nothing), `drain` (told to close, still busy) |
 //! | `keyfence_registry_reads_total` | | reads of the region registry |
 //! | `keyfence_client_lookups_total` | `outcome` | reads of the client directory: `found` or `unknown` (a key never looked up, or not for `CACHE_FOR`; malformed keys are refused unread) |
 //! | `keyfence_claims_total` | `outcome` | `won` (a new request) or `existing` (the key was there) |
@@ -77,6 +78,7 @@ fn describe() {
     describe_counter!("keyfence_throttled_total", "Requests turned away by fair use, by reason");
     describe_gauge!("keyfence_payment_tasks_in_flight", "Payment tasks running now in this instance");
     describe_counter!("keyfence_connections_refused_total", "Connections closed unanswered, by reason");
+    describe_counter!("keyfence_connections_dropped_total", "Connections cut off while open, by reason");
     describe_counter!("keyfence_registry_reads_total", "Reads of the region registry");
     describe_gauge!(
         "keyfence_region_declared_failed",

@@ -42,6 +42,8 @@ pub enum StartupError {
     Ledger(#[from] LedgerError),
     #[error("clients: {0}")]
     Clients(#[from] crate::clients::ClientsError),
+    #[error("webhooks: {0}")]
+    Names(#[from] webhooks::names::NamesError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
     /// Settings that cannot work together; nothing was started.
@@ -219,6 +221,10 @@ impl Application {
             ),
         };
         let endpoints = EndpointStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
+        let targets = TargetPolicy {
+            allow_private: settings.webhooks_allow_private,
+            names: webhooks::Names::new(settings.webhooks_resolver)?,
+        };
         let delivery = settings.webhook_delivery;
         let webhooks = Some(Duration::from_millis(delivery.interval_ms)).filter(|d| !d.is_zero()).map(|every| {
             let stores = Stores {
@@ -227,7 +233,7 @@ impl Application {
                 keys: engine.keys().clone(),
                 region: settings.engine.work.region.clone(),
             };
-            (every, Arc::new(Worker::new(stores, delivery, settings.webhooks_allow_private)))
+            (every, Arc::new(Worker::new(stores, delivery, targets.clone())))
         });
         let state = AppState {
             engine: engine.clone(),
@@ -237,7 +243,7 @@ impl Application {
             readiness: Default::default(),
             body_limit: settings.body_limit,
             webhooks: endpoints.clone(),
-            webhook_targets: TargetPolicy { allow_private: settings.webhooks_allow_private },
+            webhook_targets: targets,
             rail_secrets: settings.find_rail_secrets(),
         };
         match advertisable(&url, settings.local_regions) {
@@ -260,6 +266,8 @@ impl Application {
             per_address: settings.max_connections_per_address,
             requests_per_connection: settings.max_requests_per_connection,
             max_age: settings.max_connection_age,
+            write_stall: settings.write_timeout,
+            drain: settings.drain_timeout,
         };
         let expiry = Some(Duration::from_millis(settings.expire_interval_ms)).filter(|d| !d.is_zero()).map(|every| {
             (
@@ -303,7 +311,7 @@ impl Application {
     /// Serves (and runs the recovery worker, the expiry sweeper, the
     /// webhook delivery worker, the inbox worker, the ledger's partition
     /// housekeeper and the ledger fence's follower) until `shutdown` resolves, then finishes
-    /// in-flight requests.
+    /// in-flight requests and the workers' rounds, for at most the drain timeout.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let (stop, stopped) = tokio::sync::watch::channel(());
         let follower = tokio::spawn(crate::regions::follow_registry(
@@ -348,16 +356,30 @@ impl Application {
         let admin = tokio::spawn(server::serve(admin_listener, admin_router, self.limits, async move {
             let _ = admin_stopped.changed().await;
         }));
+        let asked = Arc::new(std::sync::OnceLock::new());
+        let asked_at = asked.clone();
         let served = server::serve(self.listener, self.router, self.limits, async move {
             shutdown.await;
+            let _ = asked_at.set(tokio::time::Instant::now());
             drop(stop);
         })
         .await;
+        // The workers were told when the listener was: what they have not
+        // finished by the time the connections had is dropped (and resumed
+        // by whichever instance sweeps next, as after a crash).
+        let deadline = *asked.get().unwrap_or(&tokio::time::Instant::now()) + self.limits.drain;
         for task in worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain(housekeeper).chain([follower]) {
-            let _ = task.await;
+            finish_by(deadline, task).await;
         }
-        let _ = admin.await;
+        finish_by(deadline, admin).await;
         served
+    }
+}
+
+/// Waits for `task` until `deadline`, then aborts it.
+async fn finish_by<T>(deadline: tokio::time::Instant, mut task: tokio::task::JoinHandle<T>) {
+    if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+        task.abort();
     }
 }
 

@@ -35,6 +35,9 @@ pub enum WebhooksCommand {
               value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
               default_missing_value = "true", action = clap::ArgAction::Set)]
         allow_private: bool,
+        /// The DNS server (`IP:PORT`) the URL's name is looked up at; else the system's.
+        #[arg(long = "resolver", env = "KEYFENCE_WEBHOOKS_RESOLVER")]
+        resolver: Option<std::net::SocketAddr>,
         #[command(flatten)]
         keys: KeyStoreSettings,
         #[arg(long)]
@@ -115,10 +118,11 @@ pub enum WebhooksCommand {
 impl WebhooksCommand {
     pub async fn run(self) -> anyhow::Result<()> {
         match self {
-            Self::Add { client, url, events, allow_private, keys, json } => {
+            Self::Add { client, url, events, allow_private, resolver, keys, json } => {
                 existing(&keys, client).await?;
                 let events = webhooks::checked_events(&events).map_err(anyhow::Error::msg)?;
-                let url = TargetPolicy { allow_private }.check(&url).await?;
+                let names = webhooks::Names::new(resolver)?;
+                let url = TargetPolicy { allow_private, names }.check(&url, client).await?;
                 let endpoint = store(&keys).await?.add(client, &url, events).await?;
                 let secret = &endpoint.secrets[0].value;
                 if json {

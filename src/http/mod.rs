@@ -20,6 +20,7 @@ pub mod server;
 mod signed;
 mod throttle;
 mod webhook_endpoints;
+mod write_deadline;
 
 use std::sync::Arc;
 

@@ -9,14 +9,26 @@
 //! most `requests_per_connection` requests and lives at most `max_age`,
 //! then it is closed after its request in flight (`Connection: close`), so
 //! no client can hold its connections for ever, however politely it
-//! trickles requests. On shutdown, requests in flight finish; idle
-//! connections are closed.
+//! trickles requests.
+//!
+//! Nor however rudely: a write the peer leaves waiting for `write_stall`
+//! ends the connection ([`WriteDeadline`], and `TCP_USER_TIMEOUT` for what
+//! the kernel still holds), so a client that pipelines requests and never
+//! reads the answers is cut off; and a connection told to close (past its
+//! age, or at shutdown) has `drain` to finish its request in flight, then
+//! it is dropped, whatever it is doing. On shutdown, idle connections are
+//! closed at once and `serve` returns within `drain`.
+//!
+//! A connection over the per-address cap is closed unanswered rather than
+//! sent a 503: answering means writing to a peer that already holds its
+//! share, before its request is read (closing on an unread request resets
+//! the connection, so the answer would often be lost anyway), and a closed
+//! connection is what every client already retries.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
@@ -26,6 +38,9 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
+
+use super::write_deadline::WriteDeadline;
+use crate::domain::Shares;
 
 /// Headers one request may carry.
 pub const MAX_HEADERS: usize = 64;
@@ -42,11 +57,11 @@ pub struct Limits {
     pub per_address: usize,
     pub requests_per_connection: u32,
     pub max_age: Duration,
+    /// How long a write may wait on the peer before the connection ends.
+    pub write_stall: Duration,
+    /// How long a connection told to close may take to finish its request.
+    pub drain: Duration,
 }
-
-/// Connections open per peer address.
-#[derive(Clone, Default)]
-struct PerAddress(Arc<Mutex<HashMap<IpAddr, usize>>>);
 
 /// The address a connection counts against: an IPv4 peer seen through an
 /// IPv6 socket as itself.
@@ -54,33 +69,6 @@ fn counted_as(address: IpAddr) -> IpAddr {
     match address {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,
-    }
-}
-
-/// One connection's place in [`PerAddress`], given back when dropped.
-struct AddressSlot(PerAddress, IpAddr);
-
-impl PerAddress {
-    fn take(&self, address: IpAddr, cap: usize) -> Option<AddressSlot> {
-        let mut open = self.0.lock().expect("the address counts are never poisoned");
-        let count = open.entry(address).or_default();
-        if *count >= cap {
-            return None;
-        }
-        *count += 1;
-        Some(AddressSlot(self.clone(), address))
-    }
-}
-
-impl Drop for AddressSlot {
-    fn drop(&mut self) {
-        let mut open = self.0.0.lock().expect("the address counts are never poisoned");
-        if let Some(count) = open.get_mut(&self.1) {
-            *count -= 1;
-            if *count == 0 {
-                open.remove(&self.1);
-            }
-        }
     }
 }
 
@@ -93,7 +81,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let router = router.layer(tower_http::timeout::RequestBodyDeadlineLayer::new(limits.body_read));
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let addresses = PerAddress::default();
+    let addresses = Shares::<IpAddr>::default();
     let (stop, stopping) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -125,6 +113,10 @@ pub async fn serve(
             metrics::counter!("keyfence_connections_refused_total", "reason" => "per_address").increment(1);
             continue;
         };
+        // The kernel gives up on unacknowledged data after the same time.
+        if let Err(e) = socket2::SockRef::from(&stream).set_tcp_user_timeout(Some(limits.write_stall)) {
+            tracing::debug!(error = %e, "could not set TCP_USER_TIMEOUT");
+        }
         let served = Arc::new(AtomicU32::new(0));
         let opened = tokio::time::Instant::now();
         let counted = served.clone();
@@ -139,22 +131,33 @@ pub async fn serve(
                 response
             },
         );
+        let stream = WriteDeadline::new(stream, limits.write_stall);
         let connection = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
         let mut stopping = stopping.clone();
         connections.spawn(async move {
             tokio::pin!(connection);
             // An idle connection past its age, or at shutdown, is closed;
-            // one with a request in flight closes once it is answered.
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                () = tokio::time::sleep_until(opened + limits.max_age) => {
+            // one with a request in flight closes once it is answered, or
+            // is dropped when it has not been within `drain`.
+            let ended = tokio::select! {
+                ended = connection.as_mut() => Some(ended),
+                () = tokio::time::sleep_until(opened + limits.max_age) => None,
+                _ = stopping.changed() => None,
+            };
+            let ended = match ended {
+                Some(ended) => Some(ended),
+                None => {
                     connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
+                    tokio::time::timeout(limits.drain, connection).await.ok()
                 }
-                _ = stopping.changed() => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
-                }
+            };
+            let dropped = match &ended {
+                None => Some("drain"),
+                Some(Err(e)) if stalled(e) => Some("write_stall"),
+                Some(_) => None,
+            };
+            if let Some(reason) = dropped {
+                metrics::counter!("keyfence_connections_dropped_total", "reason" => reason).increment(1);
             }
             // A connection ends in an error whenever a client goes away
             // mid-request or is cut off by a limit: nothing to report.
@@ -162,8 +165,25 @@ pub async fn serve(
         });
     }
     let _ = stop.send(true);
-    while connections.join_next().await.is_some() {}
+    // Each connection bounds itself; this bounds them all, should one not.
+    let drained = tokio::time::timeout(limits.drain, async { while connections.join_next().await.is_some() {} });
+    if drained.await.is_err() {
+        connections.abort_all();
+        while connections.join_next().await.is_some() {}
+    }
     Ok(())
+}
+
+/// Whether a connection ended because the peer left a write waiting.
+fn stalled(error: &hyper::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut) {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 #[cfg(test)]

@@ -44,9 +44,9 @@ pub async fn create(
     // At most 1024 characters, so the longest valid registration (however
     // its characters are escaped) stays far inside the body limit.
     let url = match asked.url.chars().count() {
-        0..=MAX_URL => match state.webhook_targets.check(&asked.url).await {
+        0..=MAX_URL => match state.webhook_targets.check(&asked.url, client).await {
             Ok(url) => Some(url),
-            Err(Refused::Busy) => return Err(ApiError::unavailable("every name-lookup slot is taken")),
+            Err(Refused::Busy) => return Err(ApiError::unavailable(Refused::Busy)),
             Err(Refused::Invalid(message)) => {
                 errors.push(FieldError { field: "url", message });
                 None

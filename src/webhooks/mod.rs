@@ -16,6 +16,7 @@
 //! on a schedule ([`schedule`]).
 
 pub mod deliveries;
+pub mod names;
 pub mod queue;
 pub mod schedule;
 pub mod send;
@@ -29,6 +30,7 @@ use uuid::Uuid;
 
 use crate::domain::WebhookSecret;
 
+pub use names::Names;
 pub use settings::DeliverySettings;
 pub use store::{EndpointStore, WebhooksError};
 pub use target::TargetPolicy;

@@ -5,6 +5,8 @@
 //! to an internal one now (DNS rebinding) is refused, not called. No
 //! redirect is followed (it could lead anywhere), no proxy is used (it
 //! would resolve the name itself), and the receiver's body is not read.
+//! Names are looked up by [`Names`], within its time limit; a client's
+//! lookups at once are bounded by the worker's share per client.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,7 +14,8 @@ use std::time::{Duration, SystemTime};
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 
-use super::target::{Turn, is_internal, literal, resolve};
+use super::names::Names;
+use super::target::{is_internal, literal};
 
 /// What the receiver made of one attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,13 +38,13 @@ pub struct Sender {
 }
 
 impl Sender {
-    pub fn new(allow_private: bool, timeout: Duration) -> Self {
+    pub fn new(allow_private: bool, names: Names, timeout: Duration) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout.min(Duration::from_secs(5)))
             .redirect(reqwest::redirect::Policy::none())
             .no_proxy()
-            .dns_resolver(Arc::new(Guarded { allow_private }))
+            .dns_resolver(Arc::new(Guarded { allow_private, names }))
             .user_agent(concat!("keyfence-webhooks/", env!("CARGO_PKG_VERSION")))
             .build()
             .expect("the webhook client's settings are valid");
@@ -95,14 +98,15 @@ fn reason(error: &reqwest::Error) -> String {
 /// Resolves names to the addresses a webhook may reach, and only those.
 struct Guarded {
     allow_private: bool,
+    names: Names,
 }
 
 impl Resolve for Guarded {
     fn resolve(&self, name: Name) -> Resolving {
-        let allow_private = self.allow_private;
+        let (allow_private, names) = (self.allow_private, self.names.clone());
         let host = name.as_str().to_owned();
         Box::pin(async move {
-            let found = resolve(&host, Turn::Wait).await.map_err(|e| e.to_string())?;
+            let found = names.resolve(&host).await;
             if found.is_empty() {
                 return Err(format!("{host} did not resolve").into());
             }
@@ -133,7 +137,8 @@ mod tests {
     async fn internal_addresses_are_refused_at_send_time() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let strict = Sender::new(false, Duration::from_secs(2));
+        let names = Names::new(None).unwrap();
+        let strict = Sender::new(false, names.clone(), Duration::from_secs(2));
         for url in [format!("http://127.0.0.1:{port}/hook"), format!("http://localhost:{port}/hook")] {
             match strict.send(&url, signed(), b"{}".to_vec()).await {
                 Response::Unreachable(why) => assert!(why.contains("not a public address"), "{url}: {why}"),
@@ -142,7 +147,7 @@ mod tests {
         }
         // Allowed, the same name is called (and nobody answers over HTTP).
         drop(listener);
-        let dev = Sender::new(true, Duration::from_secs(2));
+        let dev = Sender::new(true, names, Duration::from_secs(2));
         match dev.send(&format!("http://localhost:{port}/hook"), signed(), b"{}".to_vec()).await {
             Response::Unreachable(why) => assert!(!why.contains("not a public address"), "{why}"),
             other => panic!("{other:?}"),

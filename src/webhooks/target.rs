@@ -6,51 +6,9 @@
 //! plain http to this machine.
 
 use std::net::IpAddr;
-use std::sync::Arc;
 
-use tokio::sync::Semaphore;
-
-/// How long a host's name may take to resolve.
-const RESOLVE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Names resolved at once at most, so slow resolvers cannot tie up the
-/// threads every other lookup of the process needs: a turn is held until
-/// the system resolver returns, even when its caller gave up waiting.
-const RESOLVING_AT_ONCE: usize = 16;
-
-static RESOLVING: std::sync::LazyLock<Arc<Semaphore>> =
-    std::sync::LazyLock::new(|| Arc::new(Semaphore::new(RESOLVING_AT_ONCE)));
-
-/// Whether a name may wait for a turn to be resolved, or is refused when
-/// every turn is taken.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Turn {
-    Wait,
-    Refuse,
-}
-
-/// The addresses `host` resolves to, within [`RESOLVE_FOR`] (turns
-/// included); `Err(Refused::Busy)` when refused a turn, `Ok(empty)` when it
-/// does not resolve in time.
-pub(super) async fn resolve(host: &str, turn: Turn) -> Result<Vec<IpAddr>, Refused> {
-    let host = host.to_owned();
-    let found = tokio::time::timeout(RESOLVE_FOR, async move {
-        let permit = match turn {
-            Turn::Refuse => RESOLVING.clone().try_acquire_owned().map_err(|_| Refused::Busy)?,
-            Turn::Wait => RESOLVING.clone().acquire_owned().await.map_err(|_| Refused::Busy)?,
-        };
-        let lookup = tokio::task::spawn_blocking(move || {
-            let _turn = permit;
-            std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), 0)).map(|found| found.map(|a| a.ip()).collect())
-        });
-        Ok::<_, Refused>(lookup.await.ok().and_then(Result::ok).unwrap_or_default())
-    })
-    .await;
-    match found {
-        Ok(resolved) => resolved,
-        Err(_) => Ok(Vec::new()),
-    }
-}
+use super::names::{Busy, Names};
+use crate::domain::ClientId;
 
 /// The address a URL names literally, if it does (then nothing resolves it).
 pub(super) fn literal(url: &reqwest::Url) -> Option<IpAddr> {
@@ -62,16 +20,24 @@ pub(super) fn literal(url: &reqwest::Url) -> Option<IpAddr> {
 pub enum Refused {
     #[error("{0}")]
     Invalid(String),
-    /// As many names are being resolved as may be: try again.
-    #[error("too many webhook URLs are being checked at once; try again")]
+    /// The client has as many names being looked up as it may: try again.
+    #[error("too many of this client's webhook URLs are being checked at once; try again")]
     Busy,
 }
 
-/// What the operator allows webhooks to point at.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+impl From<Busy> for Refused {
+    fn from(Busy: Busy) -> Self {
+        Self::Busy
+    }
+}
+
+/// What the operator allows webhooks to point at, and how names are
+/// looked up to tell.
+#[derive(Clone)]
 pub struct TargetPolicy {
     /// Internal addresses (and plain http to this machine) are allowed.
     pub allow_private: bool,
+    pub names: Names,
 }
 
 impl TargetPolicy {
@@ -79,7 +45,8 @@ impl TargetPolicy {
     /// host is resolved, and every address it resolves to must be allowed.
     /// One answer for every host that is not a public address, whether it
     /// does not resolve or resolves inside: no view of the network's names.
-    pub async fn check(&self, url: &str) -> Result<String, Refused> {
+    /// The lookup is one of `client`'s own ([`super::names::PER_CLIENT`]).
+    pub async fn check(&self, url: &str, client: ClientId) -> Result<String, Refused> {
         let invalid = |why: &str| Refused::Invalid(why.to_owned());
         let parsed = reqwest::Url::parse(url).map_err(|e| Refused::Invalid(format!("not a URL: {e}")))?;
         if !parsed.username().is_empty() || parsed.password().is_some() {
@@ -102,7 +69,7 @@ impl TargetPolicy {
         let not_public = || Refused::Invalid(format!("{host} is not a public address"));
         let addresses: Vec<IpAddr> = match literal {
             Some(ip) => vec![ip],
-            None => resolve(&host, Turn::Refuse).await?,
+            None => self.names.resolve_for(client, &host).await?,
         };
         if addresses.is_empty() || addresses.iter().any(|ip| is_internal(*ip)) {
             return Err(not_public());
@@ -167,7 +134,9 @@ mod tests {
 
     #[tokio::test]
     async fn only_public_https_targets_unless_private_ones_are_allowed() {
-        let strict = TargetPolicy::default();
+        let names = Names::new(None).unwrap();
+        let client = ClientId::new(uuid::Uuid::nil());
+        let strict = TargetPolicy { allow_private: false, names: names.clone() };
         for url in [
             "http://93.184.216.34/hook",
             "https://10.0.0.7/hook",
@@ -191,15 +160,15 @@ mod tests {
             "ftp://93.184.216.34/hook",
             "not a url",
         ] {
-            assert!(strict.check(url).await.is_err(), "{url} is refused");
+            assert!(strict.check(url, client).await.is_err(), "{url} is refused");
         }
-        assert_eq!(strict.check("https://93.184.216.34/hook").await.unwrap(), "https://93.184.216.34/hook");
+        assert_eq!(strict.check("https://93.184.216.34/hook", client).await.unwrap(), "https://93.184.216.34/hook");
 
-        let dev = TargetPolicy { allow_private: true };
-        assert!(dev.check("http://127.0.0.1:9000/hook").await.is_ok());
-        assert!(dev.check("https://10.0.0.7/hook").await.is_ok());
-        assert!(dev.check("http://localhost:9000/hook").await.is_ok());
-        assert!(dev.check("http://10.0.0.7/hook").await.is_err(), "plain http only to this machine");
-        assert!(dev.check("http://hooks.example/hook").await.is_err());
+        let dev = TargetPolicy { allow_private: true, names };
+        assert!(dev.check("http://127.0.0.1:9000/hook", client).await.is_ok());
+        assert!(dev.check("https://10.0.0.7/hook", client).await.is_ok());
+        assert!(dev.check("http://localhost:9000/hook", client).await.is_ok());
+        assert!(dev.check("http://10.0.0.7/hook", client).await.is_err(), "plain http only to this machine");
+        assert!(dev.check("http://hooks.example/hook", client).await.is_err());
     }
 }

@@ -67,13 +67,13 @@ pub struct Stores {
 }
 
 impl Worker {
-    pub fn new(stores: Stores, settings: DeliverySettings, allow_private: bool) -> Self {
+    pub fn new(stores: Stores, settings: DeliverySettings, targets: super::TargetPolicy) -> Self {
         Self {
             deliveries: stores.deliveries,
             endpoints: stores.endpoints,
             keys: stores.keys,
             region: stores.region,
-            sender: Sender::new(allow_private, settings.timeout),
+            sender: Sender::new(targets.allow_private, targets.names, settings.timeout),
             settings,
             in_flight: Mutex::default(),
             unreadable: Mutex::default(),

@@ -219,9 +219,12 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         max_connections_per_address: 1024,
         max_requests_per_connection: 1000,
         max_connection_age: Duration::from_secs(300),
+        write_timeout: Duration::from_secs(10),
+        drain_timeout: Duration::from_secs(10),
         public_url: None,
         local_regions: true,
         webhooks_allow_private: true,
+        webhooks_resolver: None,
         webhook_delivery: test_delivery(),
         inbox_interval_ms: 200,
         rail_secrets: Some(RailSecrets::new(

@@ -1,9 +1,11 @@
 //! What anonymous callers can reach, and how long they may hold it: the
 //! public `/readyz` is cheap however often it is asked and says nothing of
 //! the stores; connections are capped per address and in age and requests,
-//! so clients trickling tiny requests cannot keep an honest one out; and a
-//! request head past the header limits is refused with 431.
+//! so clients trickling tiny requests cannot keep an honest one out; writes
+//! have a time limit, so clients that never read cannot either, nor hold up
+//! a shutdown; and a request head past the header limits is refused with 431.
 
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use futures::future::join_all;
@@ -11,8 +13,10 @@ use reqwest::StatusCode;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
+use tokio::time::Instant;
 
 use crate::app::{TestApp, payment, spawn_app, spawn_app_with};
+use crate::process::{ServeProcess, keyfence_command};
 
 /// `keyfence_registry_reads_total`, as the admin listener shows it now.
 async fn registry_reads(app: &TestApp) -> f64 {
@@ -151,4 +155,113 @@ async fn a_request_head_past_the_header_limits_is_refused() {
     assert_eq!(long.unwrap().status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "a 20 kB header");
     let plain = app.http.get(format!("{}/healthz", app.url)).send().await.unwrap();
     assert_eq!(plain.status(), StatusCode::OK, "within them, served");
+}
+
+/// A connection from `source` that pipelines requests and never reads an
+/// answer, made again whenever it is cut off, until `until`; how many it made.
+async fn slow_reader(addr: SocketAddr, source: Ipv4Addr, until: Instant) -> usize {
+    let requests = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").repeat(1024);
+    let mut connections = 0;
+    while Instant::now() < until {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.bind(SocketAddr::new(source.into(), 0)).unwrap();
+        // A small window: the server's writes wait after a few answers.
+        socket.set_recv_buffer_size(4096).unwrap();
+        let Ok(Ok(mut stream)) = tokio::time::timeout_at(until, socket.connect(addr)).await else { continue };
+        connections += 1;
+        // Writes until the server stops reading, then waits on it until cut off.
+        while let Ok(Ok(())) = tokio::time::timeout_at(until, stream.write_all(requests.as_bytes())).await {}
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    connections
+}
+
+/// Clients that pipeline requests and never read the answers, from two
+/// addresses, take every connection slot and make their connections again
+/// as soon as they are cut off; an honest client is still served each time
+/// it comes, and SIGTERM stops `serve` within its drain timeout. (Before
+/// writes had a time limit, the slots stayed taken for good and SIGTERM
+/// waited on them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_read_cannot_hold_the_listener_or_its_shutdown() {
+    let app = spawn_app().await;
+    let mut command = keyfence_command(&app, "serve");
+    command
+        .env("KEYFENCE_MAX_CONNECTIONS", "8")
+        .env("KEYFENCE_MAX_CONNECTIONS_PER_ADDRESS", "4")
+        .env("KEYFENCE_MAX_REQUESTS_PER_CONNECTION", "1000000")
+        .env("KEYFENCE_WRITE_TIMEOUT_MS", "1000")
+        .env("KEYFENCE_DRAIN_TIMEOUT_MS", "1500")
+        // The attack shares this machine's cores: the rail has time to answer.
+        .env("KEYFENCE_RAIL_TIMEOUT_MS", "3000")
+        .env("KEYFENCE_LEASE_MS", "10000");
+    let (mut serve, _logs) = ServeProcess::spawn_logged(command).await;
+    let addr: SocketAddr = serve.url.trim_start_matches("http://").parse().unwrap();
+    let until = Instant::now() + Duration::from_secs(12);
+    let sources = [Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::new(127, 0, 0, 3)];
+    let attackers: Vec<_> =
+        sources.iter().flat_map(|&s| (0..4).map(move |_| tokio::spawn(slow_reader(addr, s, until)))).collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    for attempt in 0..3 {
+        // A new connection each time: it waits for a slot like anyone's.
+        let honest =
+            reqwest::Client::builder().timeout(Duration::from_secs(8)).pool_max_idle_per_host(0).build().unwrap();
+        let answer = honest
+            .post(format!("{}/v1/payments", serve.url))
+            .bearer_auth(&app.api_key)
+            .header("Idempotency-Key", format!("honest-{attempt}"))
+            .json(&payment(&format!("E2E-HONEST-{attempt}")))
+            .send()
+            .await
+            .map(|r| r.status());
+        assert_eq!(answer.ok(), Some(StatusCode::CREATED), "honest payment {attempt} was served");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(app.e2.statement().await.len(), 3, "three payments at the rail");
+    let metrics = app.http.get(format!("{}/metrics", serve.admin_url.as_deref().unwrap())).send().await.unwrap();
+    let text = metrics.text().await.unwrap();
+    let stalled = text
+        .lines()
+        .find_map(|l| l.strip_prefix("keyfence_connections_dropped_total{reason=\"write_stall\"} "))
+        .map_or(0.0, |n| n.trim().parse::<f64>().unwrap());
+    assert!(stalled >= 8.0, "every slow reader was cut off at least once: {stalled}");
+
+    // Still under attack, SIGTERM: stopped within the drain timeout (and a margin).
+    let asked = Instant::now();
+    serve.signal("TERM").await;
+    let stopped = tokio::time::timeout(Duration::from_secs(10), serve.exited()).await;
+    assert!(stopped.is_ok_and(|s| s.success()), "serve exited cleanly on SIGTERM");
+    assert!(asked.elapsed() < Duration::from_millis(1500 + 2000), "stopped in {:?}", asked.elapsed());
+    for attacker in attackers {
+        assert!(attacker.await.unwrap() >= 2, "each slow reader was made to connect again");
+    }
+}
+
+/// A connection told to close at its age while a request is still in
+/// flight (its body trickling in) is dropped once the drain timeout has
+/// passed, not when the request ends (the body's own limit, a minute here).
+#[tokio::test]
+async fn a_connection_past_its_age_and_drain_is_dropped_whatever_it_is_doing() {
+    let app = spawn_app_with(|s| {
+        s.max_connection_age = Duration::from_millis(1000);
+        s.drain_timeout = Duration::from_millis(1000);
+        s.body_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let addr: SocketAddr = app.url.trim_start_matches("http://").parse().unwrap();
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let opened = Instant::now();
+    let head = format!(
+        "POST /v1/payments HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nIdempotency-Key: slow-body\r\n\
+         Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{",
+        app.api_key
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(8), stream.read_to_end(&mut answer)).await;
+    assert!(ended.is_ok(), "the connection was dropped");
+    let ended = opened.elapsed();
+    assert!(ended >= Duration::from_millis(1900), "not before its age and drain: {ended:?}");
+    assert_eq!(app.count("requests").await, 0, "nothing was done");
 }

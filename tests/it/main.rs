@@ -17,6 +17,7 @@ mod connections;
 mod crash;
 mod declines;
 mod deploy;
+mod dns;
 #[cfg(feature = "failpoints")]
 mod drill;
 mod emulator;

@@ -1,13 +1,20 @@
 //! Webhook endpoints: a client registers, lists and removes its own, the
 //! signing secret is shown once, another client's are not found, a URL
-//! inside the network is refused unless the operator allows it, and an
-//! operator manages them from the CLI, rotating a secret with a grace.
+//! inside the network is refused unless the operator allows it, a client
+//! whose names never resolve holds up only itself, and an operator manages
+//! them from the CLI, rotating a secret with a grace.
+
+use std::net::Ipv4Addr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use futures::future::join_all;
+use keyfence::webhooks::names::PER_CLIENT;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::app::{TestApp, spawn_app, spawn_app_with};
+use crate::dns::TestDns;
 use crate::process::keyfence_command;
 
 async fn register(app: &TestApp, api_key: &str, body: Value) -> reqwest::Response {
@@ -139,4 +146,43 @@ async fn an_operator_adds_rotates_and_removes_an_endpoint_from_the_cli() {
         .await
         .unwrap();
     assert!(!strict.status.success(), "plain http refused without the dev setting");
+}
+
+/// A client registering endpoints whose names never resolve (its zone's
+/// name servers do not answer) waits on its own lookups only: past its
+/// share of lookups at once it is told to retry (503), and every other
+/// client's registration is looked up and kept meanwhile. (With one pool of
+/// name-lookup slots for the process, held until the system's resolver
+/// gave up, such a client made everyone's registrations 503.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_that_never_resolve_hold_up_only_their_own_client() {
+    let public = Ipv4Addr::new(93, 184, 216, 34);
+    let dns = TestDns::start(&[("hooks.honest.test", public)], "silent.test").await;
+    let app = spawn_app_with(|s| {
+        s.webhooks_allow_private = false;
+        s.webhooks_resolver = Some(dns.addr);
+    })
+    .await;
+    let (_, flooder) = app.add_client().await;
+    let flood = join_all((0..12).map(|i| {
+        let url = format!("https://h{i}.silent.test/hooks");
+        register(&app, &flooder, json!({ "url": url, "events": ["payment.succeeded"] }))
+    }));
+    let honest = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let body = json!({ "url": "https://hooks.honest.test/in", "events": ["payment.succeeded"] });
+        let made = register(&app, &app.api_key, body).await;
+        let status = made.status();
+        (status, made.json::<Value>().await.unwrap())
+    };
+    let (flooded, (status, made)) = tokio::join!(flood, honest);
+    assert_eq!(status, StatusCode::CREATED, "the other client's endpoint was looked up and kept: {made}");
+    let count = |wanted: StatusCode| flooded.iter().filter(|r| r.status() == wanted).count();
+    assert_eq!(count(StatusCode::BAD_REQUEST), PER_CLIENT, "its own share looked up, found nothing public");
+    assert_eq!(count(StatusCode::SERVICE_UNAVAILABLE), 12 - PER_CLIENT, "the rest told to retry");
+    let retry = flooded.iter().find(|r| r.status() == StatusCode::SERVICE_UNAVAILABLE).unwrap();
+    assert!(retry.headers().contains_key("retry-after"), "{:?}", retry.headers());
+    assert!(dns.unanswered.load(Ordering::Relaxed) >= PER_CLIENT, "the silent zone was asked");
+    assert!(listed(&app, &flooder).await.is_empty());
+    assert_eq!(listed(&app, &app.api_key).await.len(), 1);
 }

@@ -55,6 +55,8 @@ const LIMITS: Limits = Limits {
     per_address: 1024,
     requests_per_connection: 1000,
     max_age: Duration::from_secs(60),
+    write_stall: Duration::from_secs(10),
+    drain: Duration::from_secs(10),
 };
 
 impl HttpFloor {
