@@ -150,7 +150,7 @@ fn engine(keys: &DynamoKeyStore, ledger: &Ledger, rail: &str, instance: &str) ->
         answer_limit: keyfence::domain::ANSWER_LIMIT as usize,
         clock: Default::default(),
     };
-    let rails = Rails::new([RailClient::new(PAYOUT_RAIL, rail, Duration::from_secs(2), 3)]);
+    let rails = Rails::new([RailClient::new(PAYOUT_RAIL, rail, Duration::from_secs(2), 3, None)]);
     Engine::new(keys.clone(), ledger.clone(), rails, regions, settings)
 }
 

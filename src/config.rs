@@ -39,6 +39,39 @@ pub struct RailSettings {
     #[arg(long = "rail-attempts", env = "KEYFENCE_RAIL_ATTEMPTS", default_value_t = 3,
           value_parser = clap::value_parser!(u32).range(1..=10))]
     pub rail_attempts: u32,
+    /// A proxy every call to an external system goes through (`http://` or `https://`); none by
+    /// default, whatever HTTP_PROXY and HTTPS_PROXY say.
+    #[arg(long = "rail-proxy", env = "KEYFENCE_RAIL_PROXY", value_parser = parse_proxy, hide_env_values = true)]
+    pub rail_proxy: Option<reqwest::Proxy>,
+}
+
+impl RailSettings {
+    /// Why a rail's URL would send instructions in clear off this machine,
+    /// if one would (plain http is for the simulators on loopback).
+    pub fn in_clear(&self) -> Option<String> {
+        [("KEYFENCE_E1_URL", &self.e1_url), ("KEYFENCE_E2_URL", &self.e2_url)].into_iter().find_map(|(name, url)| {
+            let parsed = reqwest::Url::parse(url).ok();
+            let scheme = parsed.as_ref().map_or("", |u| u.scheme());
+            let host = parsed.as_ref().and_then(|u| u.host_str()).unwrap_or_default();
+            let bare = host.trim_start_matches('[').trim_end_matches(']');
+            let here = host.eq_ignore_ascii_case("localhost")
+                || bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+            match scheme {
+                "https" => None,
+                "http" if here => None,
+                _ => Some(format!("{name}={url} is not an https URL (plain http only to this machine)")),
+            }
+        })
+    }
+}
+
+/// A proxy URL, as the HTTP client takes it.
+fn parse_proxy(url: &str) -> Result<reqwest::Proxy, String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err("a proxy URL is http:// or https://".into());
+    }
+    reqwest::Proxy::all(parsed).map_err(|e| e.to_string())
 }
 
 /// How this instance takes part in the protocol.
@@ -340,6 +373,11 @@ pub struct ServeSettings {
     /// The secret itself, when given in code (tests); else read from the file or the environment.
     #[arg(skip)]
     pub region_secret: Option<RegionSecret>,
+    /// File holding a second region secret, accepted beside the first but never signed with,
+    /// while the secret is rotated (docs/deploy.md). Else `KEYFENCE_REGION_SECRET_ACCEPTED` (the
+    /// environment only).
+    #[arg(long = "region-secret-accepted-file", env = "KEYFENCE_REGION_SECRET_ACCEPTED_FILE")]
+    pub region_secret_accepted_file: Option<std::path::PathBuf>,
 }
 
 impl ServeSettings {
@@ -350,12 +388,13 @@ impl ServeSettings {
         if let Some(secret) = &self.region_secret {
             return Ok(Some(secret.clone()));
         }
-        if let Some(file) = &self.region_secret_file {
-            let raw = std::fs::read_to_string(file)
-                .map_err(|e| format!("cannot read the region secret from {}: {e}", file.display()))?;
-            return RegionSecret::new(&raw).map(Some);
+        let secret = secret_from(self.region_secret_file.as_deref(), "KEYFENCE_REGION_SECRET")?;
+        let accepted = secret_from(self.region_secret_accepted_file.as_deref(), "KEYFENCE_REGION_SECRET_ACCEPTED")?;
+        match (secret, accepted) {
+            (Some(secret), Some(accepted)) => Ok(Some(secret.also_accepting(&accepted))),
+            (None, Some(_)) => Err("a region secret to accept is set, but none to sign with".into()),
+            (secret, None) => Ok(secret),
         }
-        std::env::var("KEYFENCE_REGION_SECRET").ok().map(|raw| RegionSecret::new(&raw)).transpose()
     }
 
     /// The rails' notification secrets: given in code, else
@@ -373,6 +412,17 @@ impl ServeSettings {
             .collect();
         RailSecrets::new(secrets)
     }
+}
+
+/// A region secret read from `file` if given, else from the environment
+/// variable `variable`; `None` if neither is set.
+fn secret_from(file: Option<&std::path::Path>, variable: &str) -> Result<Option<RegionSecret>, String> {
+    if let Some(file) = file {
+        let raw = std::fs::read_to_string(file)
+            .map_err(|e| format!("cannot read the region secret from {}: {e}", file.display()))?;
+        return RegionSecret::new(&raw).map(Some);
+    }
+    std::env::var(variable).ok().map(|raw| RegionSecret::new(&raw)).transpose()
 }
 
 fn default_instance() -> String {
@@ -407,6 +457,27 @@ mod tests {
         assert_eq!(parse(&["--retention-grace", "45s"]).unwrap().grace, Duration::from_secs(45));
         assert!(parse(&["--retention", "soon"]).is_err());
         assert!(parse(&["--retention", "0s"]).is_err());
+    }
+
+    #[test]
+    fn a_rail_is_called_in_clear_only_on_this_machine_and_proxied_only_when_asked() {
+        let rails = |args: &[&str]| {
+            #[derive(Parser)]
+            struct Only {
+                #[command(flatten)]
+                rails: RailSettings,
+            }
+            Only::try_parse_from(std::iter::once("keyfence").chain(args.iter().copied())).map(|o| o.rails)
+        };
+        assert_eq!(rails(&[]).unwrap().in_clear(), None, "the simulators on loopback");
+        assert_eq!(rails(&["--e2-url", "https://rail.example.com"]).unwrap().in_clear(), None);
+        let why = rails(&["--e2-url", "http://rail.example.com"]).unwrap().in_clear().unwrap();
+        assert!(why.contains("KEYFENCE_E2_URL"), "{why}");
+        assert!(rails(&["--e1-url", "http://10.0.0.7:9001"]).unwrap().in_clear().is_some());
+        assert!(rails(&["--e1-url", "ftp://[::1]:9001"]).unwrap().in_clear().is_some());
+        assert!(rails(&[]).unwrap().rail_proxy.is_none(), "no proxy unless one is set");
+        assert!(rails(&["--rail-proxy", "http://proxy.internal:3128"]).unwrap().rail_proxy.is_some());
+        assert!(rails(&["--rail-proxy", "gopher://proxy.internal"]).is_err());
     }
 
     #[test]

@@ -9,6 +9,13 @@ use clap::{CommandFactory as _, FromArgMatches as _};
 #[tokio::main]
 async fn main() -> anyhow::Result<ExitCode> {
     let matches = cli::Cli::command().get_matches();
+    if let Some(flag) = cli::passwords_on_command_line(&matches).first() {
+        let why = format!(
+            "{flag} holds a password: every user of this machine can read a command line; give the URL through \
+             the environment (DATABASE_URL, KEYFENCE_RAIL_PROXY) instead"
+        );
+        cli::Cli::command().error(clap::error::ErrorKind::ArgumentConflict, why).exit();
+    }
     let cli = cli::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let telemetry = keyfence::telemetry::init()?;
     #[cfg(feature = "failpoints")]

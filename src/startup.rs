@@ -125,7 +125,7 @@ pub async fn migrate(
 
 /// The engine over the configured stores and rails.
 pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore>, StartupError> {
-    if let Some(why) = config.local_defaults_elsewhere() {
+    if let Some(why) = config.local_defaults_elsewhere().or_else(|| config.rails.in_clear()) {
         return Err(StartupError::Settings(vec![why]));
     }
     let client = keystore::connect(&config.keys).await?;
@@ -138,8 +138,8 @@ pub async fn build_engine(config: &EngineConfig) -> Result<Engine<DynamoKeyStore
     let ledger = Ledger::connect(&config.ledger).await?;
     let r = &config.rails;
     let rails = Rails::new([
-        RailClient::new(SCREENING, &r.e1_url, r.rail_timeout, r.rail_attempts),
-        RailClient::new(PAYMENT_RAIL, &r.e2_url, r.rail_timeout, r.rail_attempts),
+        RailClient::new(SCREENING, &r.e1_url, r.rail_timeout, r.rail_attempts, r.rail_proxy.clone()),
+        RailClient::new(PAYMENT_RAIL, &r.e2_url, r.rail_timeout, r.rail_attempts, r.rail_proxy.clone()),
     ]);
     let work = &config.work;
     let engine_settings = EngineSettings {
@@ -181,6 +181,15 @@ impl Application {
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
         let mut conflicts = settings.engine.conflicts();
         conflicts.extend(settings.engine.local_defaults_elsewhere());
+        if settings.webhooks_allow_private
+            && !(settings.engine.keys.local_endpoint() && settings.engine.ledger.database_url.is_local())
+        {
+            conflicts.push(
+                "KEYFENCE_WEBHOOKS_ALLOW_PRIVATE lets clients' webhooks call into this network: it is for a development \
+                 stack, and is refused while the key table or the ledger is not on this machine"
+                    .into(),
+            );
+        }
         if !conflicts.is_empty() {
             return Err(StartupError::Settings(conflicts));
         }

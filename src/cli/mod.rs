@@ -62,6 +62,32 @@ const LOCAL_DEFAULTS: [(&str, &str); 4] = [
     ("e2_url", "KEYFENCE_E2_URL"),
 ];
 
+/// The settings that take a URL which may hold a password, by argument id
+/// and flag: taken from the environment or a file, never the command line,
+/// where every user of the machine can read it.
+const SECRET_URLS: [(&str, &str); 2] = [("database_url", "--database-url"), ("rail_proxy", "--rail-proxy")];
+
+/// The flags of `matches` (and its subcommands) given a URL with a password
+/// on the command line.
+pub fn passwords_on_command_line(matches: &ArgMatches) -> Vec<&'static str> {
+    let mut found: Vec<&'static str> = SECRET_URLS
+        .iter()
+        .filter(|(id, _)| {
+            matches.try_get_raw(id).ok().flatten().is_some_and(|mut raw| {
+                matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+                    && raw.any(|url| {
+                        url.to_str().and_then(|u| reqwest::Url::parse(u).ok()).is_some_and(|u| u.password().is_some())
+                    })
+            })
+        })
+        .map(|&(_, flag)| flag)
+        .collect();
+    if let Some((_, sub)) = matches.subcommand() {
+        found.extend(passwords_on_command_line(sub));
+    }
+    found
+}
+
 /// The settings of the subcommand `matches` ran that were left at their
 /// local-development defaults.
 fn defaulted(matches: &ArgMatches) -> Vec<&'static str> {

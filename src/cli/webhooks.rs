@@ -119,6 +119,10 @@ impl WebhooksCommand {
     pub async fn run(self) -> anyhow::Result<()> {
         match self {
             Self::Add { client, url, events, allow_private, resolver, keys, json } => {
+                anyhow::ensure!(
+                    !allow_private || keys.local_endpoint(),
+                    "--allow-private is for a development stack: refused while the key table is not on this machine"
+                );
                 existing(&keys, client).await?;
                 let events = webhooks::checked_events(&events).map_err(anyhow::Error::msg)?;
                 let names = webhooks::Names::new(resolver)?;

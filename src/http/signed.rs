@@ -61,25 +61,27 @@ pub struct Asking<'a> {
     pub at: u64,
 }
 
-impl RegionSecret {
-    fn request_mac(&self, asking: &Asking) -> Hmac<Sha256> {
-        let (client, at) = (asking.client.to_string(), asking.at.to_string());
-        self.mac(&[
-            b"request",
-            asking.method.as_bytes(),
-            asking.authority.as_bytes(),
-            asking.target.as_bytes(),
-            asking.region.as_bytes(),
-            asking.from.as_bytes(),
-            client.as_bytes(),
-            at.as_bytes(),
-        ])
-    }
+/// The fields a request's signature covers, in order (`client` and `at`:
+/// the request's, as text).
+fn request_fields<'a>(asking: &'a Asking, client: &'a str, at: &'a str) -> [&'a [u8]; 8] {
+    [
+        b"request",
+        asking.method.as_bytes(),
+        asking.authority.as_bytes(),
+        asking.target.as_bytes(),
+        asking.region.as_bytes(),
+        asking.from.as_bytes(),
+        client.as_bytes(),
+        at.as_bytes(),
+    ]
+}
 
+impl RegionSecret {
     /// The headers that make `asking` a signed forwarded request, and its
     /// signature (which the answer is bound to).
     pub fn sign(&self, asking: &Asking) -> (Vec<(&'static str, String)>, String) {
-        let signature = hex::encode(self.request_mac(asking).finalize().into_bytes());
+        let (client, at) = (asking.client.to_string(), asking.at.to_string());
+        let signature = hex::encode(self.mac(&request_fields(asking, &client, &at)).finalize().into_bytes());
         let headers = vec![
             (FORWARDED, asking.region.to_owned()),
             (FROM, asking.from.to_owned()),
@@ -108,12 +110,13 @@ impl RegionSecret {
         let client: ClientId = text(CLIENT)?.parse().ok()?;
         let asking = Asking { method, authority, target, region: text(FORWARDED)?, from: text(FROM)?, client, at };
         let signature = text(SIGNATURE)?;
-        self.request_mac(&asking).verify_slice(&hex::decode(signature).ok()?).ok()?;
-        Some((client, signature.to_owned()))
+        let (client_text, at_text) = (client.to_string(), at.to_string());
+        let fields = request_fields(&asking, &client_text, &at_text);
+        self.verifies(&fields, &hex::decode(signature).ok()?).then(|| (client, signature.to_owned()))
     }
 
     fn answer_mac(&self, request_signature: &str, status: StatusCode, body: &[u8]) -> Hmac<Sha256> {
-        self.mac(&[b"answer", request_signature.as_bytes(), status.as_str().as_bytes(), body])
+        self.mac(&answer_fields(request_signature, &status, body))
     }
 
     /// Whether an answer to the request signed `request_signature` carries
@@ -123,8 +126,13 @@ impl RegionSecret {
         else {
             return false;
         };
-        self.answer_mac(request_signature, status, body).verify_slice(&signature).is_ok()
+        self.verifies(&answer_fields(request_signature, &status, body), &signature)
     }
+}
+
+/// The fields an answer's signature covers, in order.
+fn answer_fields<'a>(request_signature: &'a str, status: &'a StatusCode, body: &'a [u8]) -> [&'a [u8]; 4] {
+    [b"answer", request_signature.as_bytes(), status.as_str().as_bytes(), body]
 }
 
 /// Seconds since the epoch, now.
@@ -217,5 +225,14 @@ mod tests {
         assert!(!secret().answered("sig-1", StatusCode::NOT_FOUND, &signed, b"{}"), "another status");
         assert!(!secret().answered("sig-1", StatusCode::OK, &signed, b"{\"id\":1}"), "another body");
         assert!(!secret().answered("sig-1", StatusCode::OK, &HeaderMap::new(), b"{}"), "unsigned");
+    }
+
+    #[test]
+    fn during_a_rotation_an_answer_signed_with_the_other_secret_is_believed() {
+        let next = RegionSecret::new("the deployment's next region secret, 32 bytes or more").unwrap();
+        let mac = next.answer_mac("sig-1", StatusCode::OK, b"{}").finalize().into_bytes();
+        let signed = headers(vec![(SIGNATURE, hex::encode(mac))]);
+        assert!(!secret().answered("sig-1", StatusCode::OK, &signed, b"{}"), "not before the rotation");
+        assert!(secret().also_accepting(&next).answered("sig-1", StatusCode::OK, &signed, b"{}"));
     }
 }

@@ -24,6 +24,10 @@ pub enum LedgerError {
     /// of a ledger bound to another.
     #[error("this ledger is region {ledger}'s, not {asked}'s")]
     OtherRegion { ledger: String, asked: String },
+    /// The URL would reach another machine without requiring TLS: nothing
+    /// was connected.
+    #[error("{0}")]
+    InClear(String),
     /// A stored value this code cannot accept.
     #[error("ledger data is corrupt: {0}")]
     Corrupt(String),

@@ -69,6 +69,7 @@ impl Ledger {
 
     /// Connects a pool to the configured database.
     pub async fn connect(settings: &LedgerSettings) -> Result<Self, LedgerError> {
+        refuse_in_clear(&settings.database_url)?;
         let pool = PgPoolOptions::new()
             .max_connections(settings.pool_size)
             .acquire_timeout(ACQUIRE_TIMEOUT)
@@ -150,11 +151,17 @@ pub async fn drop_database(settings: &LedgerSettings) -> Result<(), LedgerError>
 /// dropping the configured one.
 async fn maintenance(settings: &LedgerSettings) -> Result<sqlx::PgPool, LedgerError> {
     let url = settings.database_url.with_database("postgres");
+    refuse_in_clear(&url)?;
     Ok(PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(url.options().clone())
         .await?)
+}
+
+/// Nothing connects where TLS would be used only if the server offers it.
+fn refuse_in_clear(url: &settings::DatabaseUrl) -> Result<(), LedgerError> {
+    url.fails_open().map_or(Ok(()), |why| Err(LedgerError::InClear(why.to_owned())))
 }
 
 /// Quotes a PostgreSQL identifier, so any database name is taken literally.

@@ -13,6 +13,11 @@
 //! The distinction that matters most is between "not applied" (safe to
 //! report as transient) and "unknown" (the instruction may have been
 //! applied: never reported as failed).
+//!
+//! A redirect is not followed (it is an answer of its own: unknown), and
+//! no proxy from the environment is used: an instruction goes to the URL
+//! configured, through the proxy configured (`KEYFENCE_RAIL_PROXY`), or
+//! nowhere.
 
 use std::time::Duration;
 
@@ -59,13 +64,24 @@ impl RailClient {
         self.name
     }
 
-    /// A client whose every attempt is cut off after `timeout`.
-    pub fn new(name: &'static str, base: &str, timeout: Duration, attempts: u32) -> Self {
-        let http = reqwest::Client::builder()
+    /// A client whose every attempt is cut off after `timeout`, sent
+    /// through `proxy` if given.
+    pub fn new(
+        name: &'static str,
+        base: &str,
+        timeout: Duration,
+        attempts: u32,
+        proxy: Option<reqwest::Proxy>,
+    ) -> Self {
+        let mut builder = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
-            .build()
-            .expect("an HTTP client with default TLS settings");
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy();
+        if let Some(proxy) = proxy {
+            builder = builder.proxy(proxy);
+        }
+        let http = builder.build().expect("an HTTP client with default TLS settings");
         Self { http, name, base: base.trim_end_matches('/').to_owned(), attempts: attempts.max(1) }
     }
 
@@ -166,5 +182,56 @@ async fn verdict(response: reqwest::Response, key: &str, sent: &Instruction) -> 
         Ok(verdict)
     } else {
         Err(format!("an answer that does not match the instruction sent under {key}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::Router;
+    use axum::http::{StatusCode, header};
+    use axum::routing::any;
+
+    use super::*;
+
+    /// Serves `router` on a loopback port; its base URL.
+    async fn serving(router: Router) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        url
+    }
+
+    /// A rail that answers with a redirect elsewhere is not followed: the
+    /// outcome is unknown (parked and probed), and the other place is
+    /// never sent the instruction.
+    #[tokio::test]
+    async fn a_redirect_is_an_answer_not_a_place_to_send_to() {
+        let reached = Arc::new(AtomicUsize::new(0));
+        let counted = reached.clone();
+        let elsewhere = serving(Router::new().fallback(any(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+            async { StatusCode::CREATED }
+        })))
+        .await;
+        let redirecting = serving(Router::new().fallback(any(move || {
+            let to = format!("{elsewhere}/v1/instructions");
+            async move { (StatusCode::TEMPORARY_REDIRECT, [(header::LOCATION, to)]) }
+        })))
+        .await;
+        let rail = RailClient::new("payment", &redirecting, Duration::from_secs(2), 1, None);
+        let instruction = crate::rail::Instruction {
+            originator: "client".into(),
+            end_to_end_id: "E2E-1".into(),
+            amount_minor: 1250,
+            currency: "EUR".into(),
+            debtor_account: "DE89370400440532013000".into(),
+            creditor_account: "FR1420041010050500013M02606".into(),
+        };
+        let outcome = rail.send("k", &instruction).await;
+        assert!(matches!(outcome, CallOutcome::Unknown(ref why) if why.contains("307")), "{outcome:?}");
+        assert_eq!(reached.load(Ordering::Relaxed), 0, "the redirect was not followed");
     }
 }

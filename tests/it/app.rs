@@ -196,6 +196,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
                 e2_url: e2.url.clone(),
                 rail_timeout: Duration::from_secs(1),
                 rail_attempts: 3,
+                rail_proxy: None,
             },
             work: WorkSettings {
                 region: "test-1".into(),
@@ -239,6 +240,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         partitions: PartitionSettings { ahead: 1, ..Default::default() },
         fair_use: Default::default(),
         region_secret_file: None,
+        region_secret_accepted_file: None,
         region_secret: Some(RegionSecret::new(REGION_SECRET).unwrap()),
     };
     adjust(&mut settings);

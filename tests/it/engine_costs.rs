@@ -159,8 +159,8 @@ async fn a_payment_costs_two_key_store_writes_and_a_replay_at_most_one_round_tri
     let (e1, e2) = (TestRail::start("e1").await, TestRail::start("e2").await);
     let counting = Counting { inner: keys.store.clone(), calls: Mutex::default() };
     let rails = Rails::new([
-        RailClient::new("screening", &e1.url, Duration::from_secs(2), 3),
-        RailClient::new("payment", &e2.url, Duration::from_secs(2), 3),
+        RailClient::new("screening", &e1.url, Duration::from_secs(2), 3, None),
+        RailClient::new("payment", &e2.url, Duration::from_secs(2), 3, None),
     ]);
     let settings = settings();
     let regions = regions_of(&keys);

@@ -25,6 +25,7 @@ mod engine_costs;
 mod errors;
 mod example_payout;
 mod expiry;
+mod fail_closed;
 mod failover;
 mod fair_use;
 mod front_door;

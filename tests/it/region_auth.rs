@@ -3,7 +3,8 @@
 //! answering forged payments) receives no client's API key and is not
 //! believed, nor can it relay what it was sent to the region meant; a
 //! forwarded read with a wrong signature or a stale time is refused with
-//! 401, and a right one is answered, signed.
+//! 401, and a right one is answered, signed; while the secret is rotated,
+//! either of two secrets is accepted.
 
 use std::sync::{Arc, Mutex};
 
@@ -18,7 +19,7 @@ use keyfence::startup::REGION_VIEW_AGE;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::app::{REGION_SECRET, TestApp, TestRail, spawn_app};
+use crate::app::{REGION_SECRET, TestApp, TestRail, spawn_app, spawn_app_with};
 
 /// Every request a server was sent: its path and query, and its headers.
 type Seen = Arc<Mutex<Vec<(String, HeaderMap)>>>;
@@ -125,4 +126,27 @@ async fn a_forwarded_read_with_a_bad_signature_or_a_stale_time_gets_401() {
     let right = forwarded(&app, REGION_SECRET, now, &path).await;
     assert_eq!(right.status(), StatusCode::NOT_FOUND, "a region's read is answered from this ledger");
     assert!(right.headers().contains_key("keyfence-signature"), "and its answer signed");
+}
+
+/// While the region secret is rotated, a region accepts reads signed with
+/// either secret and signs its answers with its own; one not rotating
+/// refuses the other secret.
+#[tokio::test]
+async fn during_a_rotation_reads_signed_with_either_secret_are_answered() {
+    const NEXT: &str = "the deployment's next region secret, 32 bytes or more";
+    let current = RegionSecret::new(REGION_SECRET).unwrap();
+    let rotating = current.clone().also_accepting(&RegionSecret::new(NEXT).unwrap());
+    let app = spawn_app_with(|s| s.region_secret = Some(rotating)).await;
+    let path = format!("/v1/payments/{}", uuid::Uuid::new_v4());
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    for secret in [REGION_SECRET, NEXT] {
+        let read = forwarded(&app, secret, now, &path).await;
+        assert_eq!(read.status(), StatusCode::NOT_FOUND, "signed with the secret {secret:?}: answered");
+    }
+    let other = forwarded(&app, "neither of the two secrets, though long enough", now, &path).await;
+    assert_eq!(other.status(), StatusCode::UNAUTHORIZED);
+
+    let plain = spawn_app().await;
+    let path = format!("/v1/payments/{}", uuid::Uuid::new_v4());
+    assert_eq!(forwarded(&plain, NEXT, now, &path).await.status(), StatusCode::UNAUTHORIZED, "not rotating");
 }

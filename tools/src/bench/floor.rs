@@ -63,8 +63,8 @@ impl Floor {
         Ok(Self {
             keys: DynamoKeyStore::new(keys, stores.keys.table.clone()),
             ledger: Ledger::connect(&stores.ledger).await.context("connecting the floor's ledger")?,
-            e1: RailClient::new("screening", &rails.e1_url, rails.rail_timeout, rails.rail_attempts),
-            e2: RailClient::new("payment", &rails.e2_url, rails.rail_timeout, rails.rail_attempts),
+            e1: RailClient::new("screening", &rails.e1_url, rails.rail_timeout, rails.rail_attempts, None),
+            e2: RailClient::new("payment", &rails.e2_url, rails.rail_timeout, rails.rail_attempts, None),
         })
     }
 }

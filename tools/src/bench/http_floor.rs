@@ -252,6 +252,7 @@ mod tests {
             e2_url: rail("e2").await,
             rail_timeout: Duration::from_secs(5),
             rail_attempts: 1,
+            rail_proxy: None,
         };
 
         let served = HttpFloor::start(Stores { keys, ledger, rails }).unwrap();
@@ -306,6 +307,7 @@ mod tests {
             e2_url: "http://127.0.0.1:1".into(),
             rail_timeout: Duration::from_secs(1),
             rail_attempts: 1,
+            rail_proxy: None,
         };
         let refused = HttpFloor::start(Stores { keys, ledger, rails }).err().expect("no server without its ledger");
         assert!(format!("{refused:#}").contains("connecting the floor's ledger"), "{refused:#}");

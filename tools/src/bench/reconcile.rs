@@ -140,8 +140,8 @@ async fn one_size(stores: Stores<'_>, size: usize, divergent_share: f64) -> anyh
         keys.clone(),
         ledger.clone(),
         Rails::new([
-            RailClient::new("screening", &e1, Duration::from_secs(2), 3),
-            RailClient::new("payment", &e2, Duration::from_secs(2), 3),
+            RailClient::new("screening", &e1, Duration::from_secs(2), 3, None),
+            RailClient::new("payment", &e2, Duration::from_secs(2), 3, None),
         ]),
         RegionView::new(
             RegionStore::new(client.clone(), keys_settings.table.clone()),
