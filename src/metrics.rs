@@ -13,7 +13,8 @@
 //! | `keyfence_connections_refused_total` | `reason` | connections closed unanswered: `per_address` |
 //! | `keyfence_connections_dropped_total` | `reason` | connections cut off: `write_stall` (the peer read nothing), `drain` (told to close, still busy) |
 //! | `keyfence_registry_reads_total` | | reads of the region registry |
-//! | `keyfence_client_lookups_total` | `outcome` | reads of the client directory: `found` or `unknown` (a key never looked up, or not for `CACHE_FOR`; malformed keys are refused unread) |
+//! | `keyfence_client_lookups_total` | `outcome` | keys this instance's directory did not hold when presented, looked up again after the next read of the change log: `found` (made a moment ago), `unknown` (refused), `deferred` (no read in time: 503) |
+//! | `keyfence_client_directory_reads_total` | `outcome` | rounds of reading the client directory's change log (and what changed), once a second: `ok` or `failed` |
 //! | `keyfence_claims_total` | `outcome` | `won` (a new request) or `existing` (the key was there) |
 //! | `keyfence_takeovers_total` | `by` | `retry`, `worker` (recovery worker and reconciler), `failover` |
 //! | `keyfence_fenced_out_total` | `store` | an owner refused by the `key_store` or the `ledger` |
@@ -84,7 +85,8 @@ fn describe() {
         "keyfence_region_declared_failed",
         "1 while the region is declared failed in the registry, as this instance last read it"
     );
-    describe_counter!("keyfence_client_lookups_total", "Reads of the client directory, by outcome");
+    describe_counter!("keyfence_client_lookups_total", "Keys not held when presented, looked up again, by outcome");
+    describe_counter!("keyfence_client_directory_reads_total", "Rounds of reading the client directory's changes");
     describe_counter!("keyfence_claims_total", "Claims of idempotency keys: won (a new request) or existing");
     describe_counter!("keyfence_replays_from_memory_total", "Replays answered from this instance's memory");
     describe_counter!("keyfence_takeovers_total", "Requests taken over from an earlier owner, by who took them");

@@ -174,6 +174,8 @@ pub struct Application {
     inbox: Option<(Duration, PeerInboxes)>,
     /// `None`: this process leaves the ledger's partitions to `keyfence maintain`.
     partitions: Option<(Duration, Partitioning)>,
+    /// The clients, kept current while serving.
+    clients: Directory,
 }
 
 impl Application {
@@ -217,7 +219,8 @@ impl Application {
             }
         }
         let store = ClientStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
-        let clients = Directory::new(store, settings.fair_use.new_key_lookups, settings.engine.clock.clone());
+        // Every client is known before the first request.
+        let clients = Directory::load(store, settings.engine.clock.clone()).await?;
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|source| StartupError::Listen { addr: settings.listen, source })?;
@@ -304,6 +307,7 @@ impl Application {
                 .filter(|d| !d.is_zero())
                 .map(|every| (every, state.peer_inboxes())),
             partitions,
+            clients: state.clients.clone(),
         })
     }
 
@@ -330,6 +334,7 @@ impl Application {
             REGION_VIEW_AGE,
             stopped.clone(),
         ));
+        let directory = tokio::spawn(self.clients.follow(stopped.clone()));
         let worker = self
             .recovery_interval
             .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped.clone())));
@@ -377,7 +382,9 @@ impl Application {
         // finished by the time the connections had is dropped (and resumed
         // by whichever instance sweeps next, as after a crash).
         let deadline = *asked.get().unwrap_or(&tokio::time::Instant::now()) + self.limits.drain;
-        for task in worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain(housekeeper).chain([follower]) {
+        for task in
+            worker.into_iter().chain(reaper).chain(courier).chain(clerk).chain(housekeeper).chain([follower, directory])
+        {
             finish_by(deadline, task).await;
         }
         finish_by(deadline, admin).await;

@@ -151,7 +151,11 @@ impl ClientStore {
             .send()
             .await;
         match out {
-            Ok(out) => Ok(out.attributes().map(decode).transpose()?.unwrap_or_default()),
+            Ok(out) => {
+                let profile = out.attributes().map(decode).transpose()?.unwrap_or_default();
+                self.changed(id).await?;
+                Ok(profile)
+            }
             Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
                 Err(ClientsError::Unknown(id))
             }

@@ -21,7 +21,7 @@ use aws_sdk_dynamodb::error::DisplayErrorContext;
 use aws_sdk_dynamodb::types::{AttributeValue, KeysAndAttributes};
 use serde::Serialize;
 
-use super::ClientRecord;
+use super::{ClientRecord, Profile};
 use crate::domain::{ApiKey, ClientId, Millis};
 use crate::keystore::{INDEX_PARTITION, INDEX_SORT, INFLIGHT_INDEX};
 
@@ -47,8 +47,14 @@ pub enum ClientsError {
     UnknownKey(ClientId, String),
     #[error("client {0} was changed by someone else meanwhile; try again")]
     Contended(ClientId),
-    #[error("this instance is looking up as many new keys a second as it may")]
+    #[error("the client directory has not been read in time")]
     Busy,
+    /// The record changed; the change log did not say so.
+    #[error(
+        "client {0} was changed, but the change could not be logged ({1}): every instance sees it within a minute, \
+         at its next whole read of the directory"
+    )]
+    Unlogged(ClientId, String),
 }
 
 pub(super) type Attrs = HashMap<String, AttributeValue>;
@@ -192,7 +198,8 @@ impl ClientStore {
                 claimed => claimed?,
             }
         }
-        self.put_new(record.id, item).await
+        self.put_new(record.id, item).await?;
+        self.changed(record.id).await
     }
 
     /// Puts `item` on the condition that nothing is there yet (else
@@ -240,6 +247,18 @@ impl ClientStore {
     /// Every client, oldest first: the index's `clients` partition, then
     /// the records it names (100 a read).
     pub async fn list(&self) -> Result<Vec<ClientRecord>, ClientsError> {
+        let ids = self.listed().await?;
+        let mut records = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(100) {
+            records.extend(self.records(chunk).await?.into_iter().map(|(record, _)| record));
+        }
+        records.sort_by_key(|r| (r.created_at, r.id));
+        Ok(records)
+    }
+
+    /// The ids of every client the index lists (a client made a moment ago
+    /// may not be listed yet).
+    pub(super) async fn listed(&self) -> Result<Vec<ClientId>, ClientsError> {
         let mut ids = Vec::new();
         let mut start = None;
         loop {
@@ -260,19 +279,13 @@ impl ClientStore {
             }
             start = page.last_evaluated_key().cloned();
             if start.is_none() {
-                break;
+                return Ok(ids);
             }
         }
-        let mut records = Vec::with_capacity(ids.len());
-        for chunk in ids.chunks(100) {
-            records.extend(self.records(chunk).await?);
-        }
-        records.sort_by_key(|r| (r.created_at, r.id));
-        Ok(records)
     }
 
     /// The records of `ids` (at most 100), in one batch (and its retries).
-    async fn records(&self, ids: &[ClientId]) -> Result<Vec<ClientRecord>, ClientsError> {
+    pub(super) async fn records(&self, ids: &[ClientId]) -> Result<Vec<(ClientRecord, Profile)>, ClientsError> {
         let keys = ids.iter().map(|id| HashMap::from([("pk".to_owned(), s(record_pk(*id)))])).collect();
         let mut wanted =
             Some(KeysAndAttributes::builder().set_keys(Some(keys)).consistent_read(true).build().map_err(store)?);
@@ -280,7 +293,7 @@ impl ClientStore {
         while let Some(batch) = wanted.take() {
             let out = self.client.batch_get_item().request_items(&self.table, batch).send().await.map_err(store)?;
             for item in out.responses().and_then(|r| r.get(&self.table)).into_iter().flatten() {
-                found.push(decode(item)?);
+                found.push((decode(item)?, super::profile::decode(item)?));
             }
             wanted = out.unprocessed_keys().and_then(|u| u.get(&self.table)).cloned();
         }
@@ -301,13 +314,15 @@ impl ClientStore {
             .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew)
             .send()
             .await;
-        match out {
-            Ok(out) => out.attributes().map(decode).transpose()?.ok_or(ClientsError::Unknown(id)),
+        let revoked = match out {
+            Ok(out) => out.attributes().map(decode).transpose()?.ok_or(ClientsError::Unknown(id))?,
             Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
-                Err(ClientsError::Unknown(id))
+                return Err(ClientsError::Unknown(id));
             }
-            Err(e) => Err(store(e)),
-        }
+            Err(e) => return Err(store(e)),
+        };
+        self.changed(id).await?;
+        Ok(revoked)
     }
 }
 

@@ -47,16 +47,11 @@ pub struct FairUseSettings {
     #[arg(long = "max-payment-tasks", env = "KEYFENCE_MAX_PAYMENT_TASKS", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_payment_tasks: u32,
-    /// API keys never seen by this instance it looks up a second (twice that at once; past it: 503):
-    /// what a flood of made-up keys costs the key table at most.
-    #[arg(long = "new-key-lookups", env = "KEYFENCE_NEW_KEY_LOOKUPS", default_value_t = 200,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub new_key_lookups: u32,
 }
 
 impl Default for FairUseSettings {
     fn default() -> Self {
-        Self { client_rate: 100, client_burst: 200, client_in_flight: 16, max_payment_tasks: 256, new_key_lookups: 200 }
+        Self { client_rate: 100, client_burst: 200, client_in_flight: 16, max_payment_tasks: 256 }
     }
 }
 
@@ -195,7 +190,6 @@ mod tests {
             client_burst: burst,
             client_in_flight: in_flight,
             max_payment_tasks: tasks,
-            new_key_lookups: 1,
         })
     }
 

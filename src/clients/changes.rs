@@ -1,0 +1,155 @@
+//! The directory's change log: one item, `control#clients#changes`, whose
+//! `version` every change of a client record moves on by one and whose
+//! `recent` names the clients of the last [`RECENT`] changes (client id →
+//! the version its change made). An instance reads it once a second: when
+//! the version has not moved, nothing has changed; when it has, `recent`
+//! says which records to read again, without a scan of the table or the
+//! index (whose view of a client created a moment ago may lag).
+//!
+//! The log is written after the record, by whoever changed it (the
+//! operators' CLI): a change whose log write failed is seen at an
+//! instance's next full read of the directory (every minute) instead.
+
+use std::collections::HashMap;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+
+use super::store::{Attrs, ClientStore, n, number, s, store};
+use super::{ClientId, ClientsError};
+
+/// The change log's item.
+pub(super) const CHANGES: &str = "control#clients#changes";
+
+/// Changes the log names, at most.
+const RECENT: u64 = 64;
+
+/// Tries at a log write that others' writes keep overtaking.
+const ATTEMPTS: usize = 10;
+
+/// The change log as read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub version: u64,
+    recent: HashMap<ClientId, u64>,
+}
+
+impl Changes {
+    /// The clients changed since version `since`, if the log still names
+    /// every one of them.
+    pub fn since(&self, since: u64) -> Option<Vec<ClientId>> {
+        (self.version.saturating_sub(since) <= RECENT)
+            .then(|| self.recent.iter().filter(|(_, at)| **at > since).map(|(id, _)| *id).collect())
+    }
+
+    /// Every client the log names.
+    pub fn named(&self) -> Vec<ClientId> {
+        self.recent.keys().copied().collect()
+    }
+
+    /// The log once `id` has changed again.
+    fn with(&self, id: ClientId) -> Self {
+        let version = self.version + 1;
+        let mut recent: HashMap<ClientId, u64> =
+            self.recent.iter().filter(|(_, at)| **at + RECENT > version).map(|(id, at)| (*id, *at)).collect();
+        recent.insert(id, version);
+        Self { version, recent }
+    }
+
+    fn decode(item: &Attrs) -> Result<Self, ClientsError> {
+        let malformed = || ClientsError::Malformed("recent".into());
+        let recent = match item.get("recent") {
+            Some(AttributeValue::M(recent)) => recent
+                .iter()
+                .map(|(id, at)| {
+                    let at = match at {
+                        AttributeValue::N(at) => at.parse().ok(),
+                        _ => None,
+                    };
+                    Ok((id.parse().map_err(|_| malformed())?, at.ok_or_else(malformed)?))
+                })
+                .collect::<Result<_, ClientsError>>()?,
+            None => HashMap::new(),
+            Some(_) => return Err(malformed()),
+        };
+        Ok(Self { version: number(item, "version")?.unwrap_or(0), recent })
+    }
+
+    fn encode(&self) -> Attrs {
+        HashMap::from([
+            ("pk".to_owned(), s(CHANGES)),
+            ("kind".to_owned(), s("client_changes")),
+            ("version".to_owned(), n(self.version)),
+            (
+                "recent".to_owned(),
+                AttributeValue::M(self.recent.iter().map(|(id, at)| (id.to_string(), n(*at))).collect()),
+            ),
+        ])
+    }
+}
+
+impl ClientStore {
+    /// The change log as it is now (a strongly consistent read).
+    pub async fn changes(&self) -> Result<Changes, ClientsError> {
+        let out = self
+            .client()
+            .get_item()
+            .table_name(self.table())
+            .key("pk", s(CHANGES))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(store)?;
+        out.item().map(Changes::decode).transpose().map(Option::unwrap_or_default)
+    }
+
+    /// Logs that client `id`'s record changed (after the change).
+    pub(super) async fn changed(&self, id: ClientId) -> Result<(), ClientsError> {
+        self.log(id).await.map_err(|e| ClientsError::Unlogged(id, e.to_string()))
+    }
+
+    async fn log(&self, id: ClientId) -> Result<(), ClientsError> {
+        for _ in 0..ATTEMPTS {
+            let read = self.changes().await?;
+            let put = self
+                .client()
+                .put_item()
+                .table_name(self.table())
+                .set_item(Some(read.with(id).encode()))
+                .condition_expression("attribute_not_exists(pk) OR version = :read")
+                .expression_attribute_values(":read", n(read.version))
+                .send()
+                .await;
+            match put {
+                Ok(_) => return Ok(()),
+                Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {}
+                Err(e) => return Err(store(e)),
+            }
+        }
+        Err(ClientsError::Contended(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_log_names_the_last_changes_and_says_when_it_no_longer_can() {
+        let (a, b) = (ClientId::generate(), ClientId::generate());
+        let mut log = Changes::default().with(a).with(b).with(a);
+        assert_eq!(log.version, 3);
+        assert_eq!(log.since(2), Some(vec![a]), "a changed again since");
+        let mut both = log.since(0).unwrap();
+        both.sort();
+        let mut expected = vec![a, b];
+        expected.sort();
+        assert_eq!(both, expected);
+        for _ in 0..RECENT {
+            log = log.with(ClientId::generate());
+        }
+        assert_eq!(log.recent.len() as u64, RECENT, "only the last changes are named");
+        assert_eq!(log.since(0), None, "a reader this far behind reads everything");
+        assert_eq!(log.since(log.version - RECENT).map(|ids| ids.len() as u64), Some(RECENT));
+        assert_eq!(Changes::decode(&log.encode()).unwrap(), log);
+    }
+}

@@ -1,0 +1,217 @@
+//! The clients as an instance serves them: every record, read whole before
+//! the instance serves ([`Directory::load`]) and kept current by reading
+//! the change log once a second ([`Directory::follow`]), so a presented key
+//! is looked up in memory. A key the instance does not know costs no store
+//! read: it may have been made since the last read of the log, so its
+//! request waits for the next one (a second at most) and is then refused
+//! if the key is still unknown; a flood of made-up keys waits on that one
+//! read between them and never competes with a real key. A key made or
+//! rotated in a moment ago is served from its first request, a revoked one
+//! refused everywhere within a second. When the log cannot be read, the
+//! directory is trusted for [`CACHE_FOR`], then requests wait for a read
+//! that succeeds, and are answered 503 when none does in time.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::{CACHE_FOR, ClientRecord, ClientStore, ClientsError, Profile};
+use crate::domain::{ApiKey, ClientId, SharedClock};
+
+/// How often the change log is read.
+pub const POLL: Duration = Duration::from_secs(1);
+
+/// How often the whole directory is read again, whatever the log says (a
+/// change whose log write failed is seen then).
+const FULL_READ: Duration = Duration::from_secs(60);
+
+/// How long a request waits for a read of the log made after it arrived.
+const WAIT_FOR_READ: Duration = Duration::from_secs(3);
+
+/// A client's record and profile.
+type Client = Arc<(ClientRecord, Arc<Profile>)>;
+
+/// Every record as of one version of the change log.
+#[derive(Clone, Default)]
+struct Records {
+    /// The change log's version it holds every change up to.
+    version: u64,
+    /// Every key digest of every record, and whose it is.
+    owners: HashMap<String, ClientId>,
+    records: HashMap<ClientId, Client>,
+}
+
+impl Records {
+    /// Replaces the records of these clients (and their keys' owners).
+    fn take(&mut self, records: Vec<(ClientRecord, Profile)>) {
+        for (record, profile) in records {
+            if let Some(old) = self.records.get(&record.id) {
+                for key in &old.0.keys {
+                    self.owners.remove(&key.digest);
+                }
+            }
+            for key in &record.keys {
+                self.owners.insert(key.digest.clone(), record.id);
+            }
+            self.records.insert(record.id, Arc::new((record, Arc::new(profile))));
+        }
+    }
+
+    /// The client `digest` lets in at `now`, if any.
+    fn admits(&self, digest: &str, now: u64) -> Option<ClientId> {
+        let client = *self.owners.get(digest)?;
+        self.records.get(&client)?.0.admits(digest, now).then_some(client)
+    }
+}
+
+/// The records, and when a read of the change log last confirmed them.
+#[derive(Clone)]
+struct View {
+    records: Arc<Records>,
+    /// When the read that confirmed them was asked (by the directory's clock).
+    confirmed: Instant,
+    /// When the whole directory was last read.
+    read_whole: Instant,
+}
+
+/// The clients, as this instance sees them; cheap to clone.
+#[derive(Clone)]
+pub struct Directory {
+    store: ClientStore,
+    view: watch::Sender<Arc<View>>,
+    /// What the view's age, and the keys' validity when presented, are
+    /// reckoned by.
+    clock: SharedClock,
+}
+
+impl std::fmt::Debug for Directory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Directory").field("clients", &self.view.borrow().records.records.len()).finish()
+    }
+}
+
+impl Directory {
+    /// Every client, read now: the change log, then the records the index
+    /// lists and those the log names (the index may not list yet a client
+    /// made a moment ago).
+    pub async fn load(store: ClientStore, clock: SharedClock) -> Result<Self, ClientsError> {
+        let asked = clock.instant();
+        let view = read_whole(&store, asked).await?;
+        Ok(Self { store, view: watch::Sender::new(Arc::new(view)), clock })
+    }
+
+    pub fn store(&self) -> &ClientStore {
+        &self.store
+    }
+
+    /// Reads the change log every [`POLL`] until `stopped` changes, taking
+    /// in what changed (and the whole directory every [`FULL_READ`]).
+    pub async fn follow(self, mut stopped: watch::Receiver<()>) {
+        loop {
+            let outcome = match self.refresh().await {
+                Ok(()) => "ok",
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the client directory's changes; keeping the last view");
+                    "failed"
+                }
+            };
+            metrics::counter!("keyfence_client_directory_reads_total", "outcome" => outcome).increment(1);
+            tokio::select! {
+                () = tokio::time::sleep(POLL) => {}
+                _ = stopped.changed() => return,
+            }
+        }
+    }
+
+    /// One read of the change log, and of what it says changed.
+    async fn refresh(&self) -> Result<(), ClientsError> {
+        let asked = self.clock.instant();
+        let current = self.view.borrow().clone();
+        let next = if self.clock.since(current.read_whole) >= FULL_READ {
+            read_whole(&self.store, asked).await?
+        } else {
+            let changes = self.store.changes().await?;
+            match changes.since(current.records.version) {
+                _ if changes.version == current.records.version => View { confirmed: asked, ..(*current).clone() },
+                Some(mut changed) => {
+                    let mut records = Records { version: changes.version, ..(*current.records).clone() };
+                    changed.sort();
+                    for chunk in changed.chunks(100) {
+                        records.take(self.store.records(chunk).await?);
+                    }
+                    View { records: Arc::new(records), confirmed: asked, read_whole: current.read_whole }
+                }
+                None => read_whole(&self.store, asked).await?,
+            }
+        };
+        // A read asked before the view now held (a slow one) changes nothing.
+        self.view.send_if_modified(|view| {
+            let newer = next.confirmed > view.confirmed;
+            if newer {
+                *view = Arc::new(next);
+            }
+            newer
+        });
+        Ok(())
+    }
+
+    /// The active client a presented key lets in, if any.
+    pub async fn find(&self, key: &ApiKey) -> Result<Option<ClientId>, ClientsError> {
+        if !key.is_well_formed() {
+            return Ok(None);
+        }
+        let digest = key.digest();
+        let arrived = self.clock.instant();
+        let view = self.trusted(arrived).await?;
+        if let Some(client) = view.records.admits(&digest, self.clock.now().get()) {
+            return Ok(Some(client));
+        }
+        // Made since the view was read, perhaps: the next read says.
+        let view = if view.confirmed >= arrived { view } else { self.confirmed_after(arrived).await? };
+        let client = view.records.admits(&digest, self.clock.now().get());
+        let outcome = if client.is_some() { "found" } else { "unknown" };
+        metrics::counter!("keyfence_client_lookups_total", "outcome" => outcome).increment(1);
+        Ok(client)
+    }
+
+    /// Client `id`'s profile (empty for an unknown client).
+    pub async fn profile(&self, id: ClientId) -> Result<Arc<Profile>, ClientsError> {
+        let view = self.trusted(self.clock.instant()).await?;
+        Ok(view.records.records.get(&id).map(|client| client.1.clone()).unwrap_or_default())
+    }
+
+    /// The view, if confirmed within [`CACHE_FOR`]; else the next one.
+    async fn trusted(&self, arrived: Instant) -> Result<Arc<View>, ClientsError> {
+        let view = self.view.borrow().clone();
+        if self.clock.since(view.confirmed) < CACHE_FOR { Ok(view) } else { self.confirmed_after(arrived).await }
+    }
+
+    /// The first view confirmed by a read asked at or after `arrived`.
+    async fn confirmed_after(&self, arrived: Instant) -> Result<Arc<View>, ClientsError> {
+        let mut views = self.view.subscribe();
+        let waited = tokio::time::timeout(WAIT_FOR_READ, views.wait_for(|view| view.confirmed >= arrived)).await;
+        match waited {
+            Ok(Ok(view)) => Ok(view.clone()),
+            _ => {
+                metrics::counter!("keyfence_client_lookups_total", "outcome" => "deferred").increment(1);
+                Err(ClientsError::Busy)
+            }
+        }
+    }
+}
+
+/// The whole directory, as of a read of the change log asked at `asked`.
+async fn read_whole(store: &ClientStore, asked: Instant) -> Result<View, ClientsError> {
+    let changes = store.changes().await?;
+    let mut ids = store.listed().await?;
+    ids.extend(changes.named());
+    ids.sort();
+    ids.dedup();
+    let mut records = Records { version: changes.version, ..Records::default() };
+    for chunk in ids.chunks(100) {
+        records.take(store.records(chunk).await?);
+    }
+    Ok(View { records: Arc::new(records), confirmed: asked, read_whole: asked })
+}
