@@ -41,37 +41,59 @@ pub struct RailSettings {
     pub rail_attempts: u32,
     /// A proxy every call to an external system goes through (`http://` or `https://`); none by
     /// default, whatever HTTP_PROXY and HTTPS_PROXY say.
-    #[arg(long = "rail-proxy", env = "KEYFENCE_RAIL_PROXY", value_parser = parse_proxy, hide_env_values = true)]
+    #[arg(long = "rail-proxy", env = "KEYFENCE_RAIL_PROXY", value_parser = ProxyParser, hide_env_values = true)]
     pub rail_proxy: Option<reqwest::Proxy>,
 }
 
 impl RailSettings {
     /// Why a rail's URL would send instructions in clear off this machine,
-    /// if one would (plain http is for the simulators on loopback).
+    /// if one would: plain http is for the simulators on loopback, and not
+    /// through a proxy (where loopback is the proxy's own machine).
     pub fn in_clear(&self) -> Option<String> {
         [("KEYFENCE_E1_URL", &self.e1_url), ("KEYFENCE_E2_URL", &self.e2_url)].into_iter().find_map(|(name, url)| {
             let parsed = reqwest::Url::parse(url).ok();
             let scheme = parsed.as_ref().map_or("", |u| u.scheme());
             let host = parsed.as_ref().and_then(|u| u.host_str()).unwrap_or_default();
             let bare = host.trim_start_matches('[').trim_end_matches(']');
-            let here = host.eq_ignore_ascii_case("localhost")
-                || bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+            let here = self.rail_proxy.is_none()
+                && (host.eq_ignore_ascii_case("localhost")
+                    || bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()));
             match scheme {
                 "https" => None,
                 "http" if here => None,
-                _ => Some(format!("{name}={url} is not an https URL (plain http only to this machine)")),
+                _ => Some(format!(
+                    "{name} (host {host:?}) is not an https URL: plain http only to this machine, and through no proxy"
+                )),
             }
         })
     }
 }
 
-/// A proxy URL, as the HTTP client takes it.
-fn parse_proxy(url: &str) -> Result<reqwest::Proxy, String> {
-    let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a URL: {e}"))?;
-    if !matches!(parsed.scheme(), "http" | "https") {
-        return Err("a proxy URL is http:// or https://".into());
+/// Parses a proxy URL without ever repeating it in an error (it may hold
+/// a credential, and come from the environment).
+#[derive(Clone, Copy, Debug)]
+struct ProxyParser;
+
+impl clap::builder::TypedValueParser for ProxyParser {
+    type Value = reqwest::Proxy;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<reqwest::Proxy, clap::Error> {
+        let name = arg.map_or_else(|| "the proxy".to_owned(), ToString::to_string);
+        let refused = |why: &str| {
+            clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{name}: {why}\n")).with_cmd(cmd)
+        };
+        let parsed =
+            value.to_str().and_then(|url| reqwest::Url::parse(url).ok()).ok_or_else(|| refused("not a URL"))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(refused("a proxy URL is http:// or https://"));
+        }
+        reqwest::Proxy::all(parsed).map_err(|_| refused("not a proxy URL the HTTP client takes"))
     }
-    reqwest::Proxy::all(parsed).map_err(|e| e.to_string())
 }
 
 /// How this instance takes part in the protocol.
@@ -477,7 +499,10 @@ mod tests {
         assert!(rails(&["--e1-url", "ftp://[::1]:9001"]).unwrap().in_clear().is_some());
         assert!(rails(&[]).unwrap().rail_proxy.is_none(), "no proxy unless one is set");
         assert!(rails(&["--rail-proxy", "http://proxy.internal:3128"]).unwrap().rail_proxy.is_some());
-        assert!(rails(&["--rail-proxy", "gopher://proxy.internal"]).is_err());
+        let refused = rails(&["--rail-proxy", "gopher://user:s3cret@proxy.internal"]).err().unwrap().to_string();
+        assert!(refused.contains("http://") && !refused.contains("s3cret"), "{refused}");
+        let proxied = rails(&["--rail-proxy", "http://proxy.internal:3128"]).unwrap();
+        assert!(proxied.in_clear().is_some(), "the simulators' loopback is not the proxy's");
     }
 
     #[test]

@@ -11,8 +11,8 @@ async fn main() -> anyhow::Result<ExitCode> {
     let matches = cli::Cli::command().get_matches();
     if let Some(flag) = cli::passwords_on_command_line(&matches).first() {
         let why = format!(
-            "{flag} holds a password: every user of this machine can read a command line; give the URL through \
-             the environment (DATABASE_URL, KEYFENCE_RAIL_PROXY) instead"
+            "{flag} holds a password or a credential: every user of this machine can read a command line; give \
+             the URL through the environment (DATABASE_URL, KEYFENCE_RAIL_PROXY) instead"
         );
         cli::Cli::command().error(clap::error::ErrorKind::ArgumentConflict, why).exit();
     }

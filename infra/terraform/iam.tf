@@ -20,6 +20,8 @@ data "aws_iam_policy_document" "serve" {
     effect = "Allow"
     actions = [
       "dynamodb:GetItem",
+      # Reading the client directory whole, 100 records a call.
+      "dynamodb:BatchGetItem",
       "dynamodb:PutItem",
       "dynamodb:UpdateItem",
       "dynamodb:DeleteItem",

@@ -62,22 +62,31 @@ const LOCAL_DEFAULTS: [(&str, &str); 4] = [
     ("e2_url", "KEYFENCE_E2_URL"),
 ];
 
-/// The settings that take a URL which may hold a password, by argument id
-/// and flag: taken from the environment or a file, never the command line,
-/// where every user of the machine can read it.
+/// The settings that take a URL which may hold a credential, by argument
+/// id and flag: taken from the environment or a file, never the command
+/// line, where every user of the machine can read it.
 const SECRET_URLS: [(&str, &str); 2] = [("database_url", "--database-url"), ("rail_proxy", "--rail-proxy")];
 
-/// The flags of `matches` (and its subcommands) given a URL with a password
-/// on the command line.
+/// Whether `url` holds a credential: a password (in its user part, or a
+/// `password` parameter, which PostgreSQL's URLs take), or for a proxy, a
+/// user name too (often a token).
+pub fn holds_credential(url: &str, user_counts: bool) -> bool {
+    reqwest::Url::parse(url).is_ok_and(|u| {
+        u.password().is_some()
+            || (user_counts && !u.username().is_empty())
+            || u.query_pairs().any(|(name, _)| name.eq_ignore_ascii_case("password"))
+    })
+}
+
+/// The flags of `matches` (and its subcommands) given a URL with a
+/// credential on the command line.
 pub fn passwords_on_command_line(matches: &ArgMatches) -> Vec<&'static str> {
     let mut found: Vec<&'static str> = SECRET_URLS
         .iter()
         .filter(|(id, _)| {
             matches.try_get_raw(id).ok().flatten().is_some_and(|mut raw| {
                 matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
-                    && raw.any(|url| {
-                        url.to_str().and_then(|u| reqwest::Url::parse(u).ok()).is_some_and(|u| u.password().is_some())
-                    })
+                    && raw.any(|url| url.to_str().is_some_and(|url| holds_credential(url, *id == "rail_proxy")))
             })
         })
         .map(|&(_, flag)| flag)

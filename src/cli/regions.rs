@@ -67,9 +67,8 @@ impl RemoteLedger {
     fn url(&self) -> anyhow::Result<Option<keyfence::ledger::DatabaseUrl>> {
         let raw = match (&self.ledger, &self.ledger_file) {
             (Some(url), _) => {
-                let with_password = reqwest::Url::parse(url).is_ok_and(|u| u.password().is_some());
                 anyhow::ensure!(
-                    !with_password,
+                    !super::holds_credential(url, false),
                     "a ledger URL with a password is not taken from the command line, where every user of the \
                      machine can read it: put it in a file named by --ledger-file, or in KEYFENCE_REGION_LEDGER_URL"
                 );

@@ -12,7 +12,10 @@
 
 use std::collections::HashMap;
 
+use std::time::Duration;
+
 use aws_sdk_dynamodb::types::AttributeValue;
+use backon::{ExponentialBuilder, Retryable};
 
 use super::store::{Attrs, ClientStore, n, number, s, store};
 use super::{ClientId, ClientsError};
@@ -23,8 +26,9 @@ pub(super) const CHANGES: &str = "control#clients#changes";
 /// Changes the log names, at most.
 const RECENT: u64 = 64;
 
-/// Tries at a log write that others' writes keep overtaking.
-const ATTEMPTS: usize = 10;
+/// Tries at a log write (others' writes may overtake it, the table may
+/// refuse it for a moment), with growing pauses between them.
+const ATTEMPTS: usize = 12;
 
 /// The change log as read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -55,21 +59,19 @@ impl Changes {
         Self { version, recent }
     }
 
+    /// The log as stored; an entry of `recent` that does not read is left
+    /// out (its client is seen at the next whole read), so one bad entry
+    /// stops no instance from following the log.
     fn decode(item: &Attrs) -> Result<Self, ClientsError> {
-        let malformed = || ClientsError::Malformed("recent".into());
         let recent = match item.get("recent") {
             Some(AttributeValue::M(recent)) => recent
                 .iter()
-                .map(|(id, at)| {
-                    let at = match at {
-                        AttributeValue::N(at) => at.parse().ok(),
-                        _ => None,
-                    };
-                    Ok((id.parse().map_err(|_| malformed())?, at.ok_or_else(malformed)?))
+                .filter_map(|(id, at)| match at {
+                    AttributeValue::N(at) => Some((id.parse().ok()?, at.parse().ok()?)),
+                    _ => None,
                 })
-                .collect::<Result<_, ClientsError>>()?,
-            None => HashMap::new(),
-            Some(_) => return Err(malformed()),
+                .collect(),
+            _ => HashMap::new(),
         };
         Ok(Self { version: number(item, "version")?.unwrap_or(0), recent })
     }
@@ -102,30 +104,44 @@ impl ClientStore {
         out.item().map(Changes::decode).transpose().map(Option::unwrap_or_default)
     }
 
-    /// Logs that client `id`'s record changed (after the change).
-    pub(super) async fn changed(&self, id: ClientId) -> Result<(), ClientsError> {
-        self.log(id).await.map_err(|e| ClientsError::Unlogged(id, e.to_string()))
+    /// Logs that client `id`'s record changed (after the change, which
+    /// stands whatever becomes of the log: a change not logged is seen at
+    /// every instance's next whole read of the directory, and said so).
+    pub(super) async fn changed(&self, id: ClientId) {
+        let pauses = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(20))
+            .with_jitter()
+            .with_max_times(ATTEMPTS);
+        let logged = (|| self.log(id)).retry(pauses).await;
+        if let Err(e) = logged {
+            tracing::warn!(
+                client = %id,
+                error = %e,
+                "the change is made, but could not be logged: every instance sees it within a minute, at its next \
+                 whole read of the directory"
+            );
+        }
     }
 
+    /// One try at logging a change of client `id`.
     async fn log(&self, id: ClientId) -> Result<(), ClientsError> {
-        for _ in 0..ATTEMPTS {
-            let read = self.changes().await?;
-            let put = self
-                .client()
-                .put_item()
-                .table_name(self.table())
-                .set_item(Some(read.with(id).encode()))
-                .condition_expression("attribute_not_exists(pk) OR version = :read")
-                .expression_attribute_values(":read", n(read.version))
-                .send()
-                .await;
-            match put {
-                Ok(_) => return Ok(()),
-                Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {}
-                Err(e) => return Err(store(e)),
+        let read = self.changes().await?;
+        let put = self
+            .client()
+            .put_item()
+            .table_name(self.table())
+            .set_item(Some(read.with(id).encode()))
+            .condition_expression("attribute_not_exists(pk) OR version = :read")
+            .expression_attribute_values(":read", n(read.version))
+            .send()
+            .await;
+        match put {
+            Ok(_) => Ok(()),
+            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
+                Err(ClientsError::Contended(id))
             }
+            Err(e) => Err(store(e)),
         }
-        Err(ClientsError::Contended(id))
     }
 }
 

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use super::profile::{Decoded, decoded};
 use super::{CACHE_FOR, ClientRecord, ClientStore, ClientsError, Profile};
 use crate::domain::{ApiKey, ClientId, SharedClock};
 
@@ -44,9 +45,19 @@ struct Records {
 }
 
 impl Records {
-    /// Replaces the records of these clients (and their keys' owners).
-    fn take(&mut self, records: Vec<(ClientRecord, Profile)>) {
-        for (record, profile) in records {
+    /// Replaces the records of these clients (and their keys' owners). A
+    /// record that does not read keeps its last copy (or none), and is
+    /// counted and logged: one bad record stops no one else's requests.
+    fn take(&mut self, read: Vec<Result<Decoded, ClientsError>>) {
+        for found in read {
+            let (record, profile) = match found {
+                Ok(found) => found,
+                Err(e) => {
+                    metrics::counter!("keyfence_client_records_unreadable_total").increment(1);
+                    tracing::error!(error = %e, "a client record does not read; keeping its last copy");
+                    continue;
+                }
+            };
             if let Some(old) = self.records.get(&record.id) {
                 for key in &old.0.keys {
                     self.owners.remove(&key.digest);
@@ -72,8 +83,6 @@ struct View {
     records: Arc<Records>,
     /// When the read that confirmed them was asked (by the directory's clock).
     confirmed: Instant,
-    /// When the whole directory was last read.
-    read_whole: Instant,
 }
 
 /// The clients, as this instance sees them; cheap to clone.
@@ -107,8 +116,10 @@ impl Directory {
     }
 
     /// Reads the change log every [`POLL`] until `stopped` changes, taking
-    /// in what changed (and the whole directory every [`FULL_READ`]).
+    /// in what changed; and, beside it (so a long read holds up no
+    /// confirmation), the whole directory every [`FULL_READ`].
     pub async fn follow(self, mut stopped: watch::Receiver<()>) {
+        let whole = tokio::spawn(self.clone().read_whole_every(stopped.clone()));
         loop {
             let outcome = match self.refresh().await {
                 Ok(()) => "ok",
@@ -120,7 +131,21 @@ impl Directory {
             metrics::counter!("keyfence_client_directory_reads_total", "outcome" => outcome).increment(1);
             tokio::select! {
                 () = tokio::time::sleep(POLL) => {}
+                _ = stopped.changed() => break,
+            }
+        }
+        whole.abort();
+    }
+
+    async fn read_whole_every(self, mut stopped: watch::Receiver<()>) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(FULL_READ) => {}
                 _ = stopped.changed() => return,
+            }
+            match read_whole(&self.store, self.clock.instant()).await {
+                Ok(view) => self.install(view, true),
+                Err(e) => tracing::warn!(error = %e, "could not read the client directory whole; trying again later"),
             }
         }
     }
@@ -128,33 +153,39 @@ impl Directory {
     /// One read of the change log, and of what it says changed.
     async fn refresh(&self) -> Result<(), ClientsError> {
         let asked = self.clock.instant();
-        let current = self.view.borrow().clone();
-        let next = if self.clock.since(current.read_whole) >= FULL_READ {
-            read_whole(&self.store, asked).await?
-        } else {
-            let changes = self.store.changes().await?;
-            match changes.since(current.records.version) {
-                _ if changes.version == current.records.version => View { confirmed: asked, ..(*current).clone() },
-                Some(mut changed) => {
-                    let mut records = Records { version: changes.version, ..(*current.records).clone() };
-                    changed.sort();
-                    for chunk in changed.chunks(100) {
-                        records.take(self.store.records(chunk).await?);
-                    }
-                    View { records: Arc::new(records), confirmed: asked, read_whole: current.read_whole }
+        let current = self.view.borrow().records.clone();
+        let changes = self.store.changes().await?;
+        let next = match changes.since(current.version) {
+            _ if changes.version == current.version => View { records: current, confirmed: asked },
+            Some(mut changed) => {
+                let mut records = Records { version: changes.version, ..(*current).clone() };
+                changed.sort();
+                for chunk in changed.chunks(100) {
+                    records.take(self.store.records(chunk).await?.iter().map(decoded).collect());
                 }
-                None => read_whole(&self.store, asked).await?,
+                View { records: Arc::new(records), confirmed: asked }
             }
+            // Too far behind for the log: everything again.
+            None => read_whole(&self.store, asked).await?,
         };
-        // A read asked before the view now held (a slow one) changes nothing.
-        self.view.send_if_modified(|view| {
-            let newer = next.confirmed > view.confirmed;
-            if newer {
-                *view = Arc::new(next);
-            }
-            newer
-        });
+        self.install(next, false);
         Ok(())
+    }
+
+    /// Takes `next` in if it holds later changes than the view, or the same
+    /// ones confirmed later, or (`whole`: the whole directory read again,
+    /// which also catches a change the log missed) the same ones; an older
+    /// one, read meanwhile, changes nothing.
+    fn install(&self, next: View, whole: bool) {
+        self.view.send_if_modified(|view| {
+            let (mine, theirs) = (view.records.version, next.records.version);
+            let taken = theirs > mine || (theirs == mine && (whole || next.confirmed > view.confirmed));
+            if taken {
+                let confirmed = next.confirmed.max(view.confirmed);
+                *view = Arc::new(View { records: next.records, confirmed });
+            }
+            taken
+        });
     }
 
     /// The active client a presented key lets in, if any.
@@ -211,7 +242,7 @@ async fn read_whole(store: &ClientStore, asked: Instant) -> Result<View, Clients
     ids.dedup();
     let mut records = Records { version: changes.version, ..Records::default() };
     for chunk in ids.chunks(100) {
-        records.take(store.records(chunk).await?);
+        records.take(store.records(chunk).await?.iter().map(decoded).collect());
     }
-    Ok(View { records: Arc::new(records), confirmed: asked, read_whole: asked })
+    Ok(View { records: Arc::new(records), confirmed: asked })
 }

@@ -48,7 +48,7 @@ impl ClientStore {
             let until = now.saturating_add(grace.as_millis() as u64);
             match self.take_key(id, &record, read_at, &digest, now, until).await {
                 Ok(shortened) => {
-                    self.changed(id).await?;
+                    self.changed(id).await;
                     let previous_key_valid_until = shortened.then_some(until);
                     return Ok(Rotated { client_id: id, api_key, previous_key_valid_until });
                 }
@@ -148,7 +148,7 @@ impl ClientStore {
             .await
             .map_err(store)?;
         let record = out.attributes().map(super::store::decode).transpose()?.ok_or(ClientsError::Unknown(id))?;
-        self.changed(id).await?;
+        self.changed(id).await;
         Ok(record)
     }
 

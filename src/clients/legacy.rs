@@ -122,8 +122,9 @@ impl ClientStore {
             .set_expression_attribute_values(Some(carried))
             .send()
             .await
-            .map(drop)
-            .map_err(store)
+            .map_err(store)?;
+        self.changed(id).await;
+        Ok(())
     }
 
     /// The older layout's client items and profile items, by partition key.

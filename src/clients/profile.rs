@@ -11,7 +11,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use serde::Serialize;
 
 use super::ClientRecord;
-use super::store::{ClientStore, ClientsError, decode as decode_record, number, record_pk, store};
+use super::store::{Attrs, ClientStore, ClientsError, decode as decode_record, number, record_pk, store};
 use crate::domain::{ClientId, PaymentRequest};
 
 /// What a client may pay from, and within which limits.
@@ -81,10 +81,18 @@ pub struct Limits {
     pub fair_use: FairUse,
 }
 
+/// A client's record and profile, as read.
+pub(super) type Decoded = (ClientRecord, Profile);
+
+/// A record item's record and profile.
+pub(super) fn decoded(item: &Attrs) -> Result<Decoded, ClientsError> {
+    Ok((decode_record(item)?, decode(item)?))
+}
+
 impl ClientStore {
     /// Client `id`'s record and profile, if it exists.
-    pub async fn record(&self, id: ClientId) -> Result<Option<(ClientRecord, Profile)>, ClientsError> {
-        self.record_item(id).await?.map(|item| Ok((decode_record(&item)?, decode(&item)?))).transpose()
+    pub async fn record(&self, id: ClientId) -> Result<Option<Decoded>, ClientsError> {
+        self.record_item(id).await?.as_ref().map(decoded).transpose()
     }
 
     /// The profile of client `id` (empty if it has none, or is unknown).
@@ -153,7 +161,7 @@ impl ClientStore {
         match out {
             Ok(out) => {
                 let profile = out.attributes().map(decode).transpose()?.unwrap_or_default();
-                self.changed(id).await?;
+                self.changed(id).await;
                 Ok(profile)
             }
             Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {

@@ -5,7 +5,8 @@
 //! bytes (else 431), its body within `body_read` (else 408); at most
 //! `max_connections` connections are served at once (further ones wait in
 //! the listen backlog until one closes) and at most `per_address` from one
-//! peer address (further ones are closed at once); a connection serves at
+//! peer address, an IPv6 peer's /64 counting as one (further ones are
+//! closed at once); a connection serves at
 //! most `requests_per_connection` requests and lives at most `max_age`,
 //! then it is closed after its request in flight (`Connection: close`), so
 //! no client can hold its connections for ever, however politely it
@@ -64,10 +65,14 @@ pub struct Limits {
 }
 
 /// The address a connection counts against: an IPv4 peer seen through an
-/// IPv6 socket as itself.
+/// IPv6 socket as itself, and an IPv6 peer as its /64, the block one host
+/// or one customer of a provider is given (it can pick any address in it).
 fn counted_as(address: IpAddr) -> IpAddr {
     match address {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
+        },
         v4 => v4,
     }
 }
@@ -191,9 +196,14 @@ mod tests {
     use super::counted_as;
 
     #[test]
-    fn a_mapped_ipv4_peer_counts_as_itself() {
+    fn a_mapped_ipv4_peer_counts_as_itself_and_an_ipv6_one_as_its_block() {
         assert_eq!(counted_as("::ffff:192.0.2.7".parse().unwrap()), counted_as("192.0.2.7".parse().unwrap()));
         assert_ne!(counted_as("192.0.2.7".parse().unwrap()), counted_as("192.0.2.8".parse().unwrap()));
-        assert_ne!(counted_as("2001:db8::1".parse().unwrap()), counted_as("2001:db8::2".parse().unwrap()));
+        assert_eq!(
+            counted_as("2001:db8::1".parse().unwrap()),
+            counted_as("2001:db8::ffff:2".parse().unwrap()),
+            "one /64"
+        );
+        assert_ne!(counted_as("2001:db8::1".parse().unwrap()), counted_as("2001:db8:0:1::1".parse().unwrap()));
     }
 }

@@ -161,7 +161,7 @@ async fn maintenance(settings: &LedgerSettings) -> Result<sqlx::PgPool, LedgerEr
 
 /// Nothing connects where TLS would be used only if the server offers it.
 fn refuse_in_clear(url: &settings::DatabaseUrl) -> Result<(), LedgerError> {
-    url.fails_open().map_or(Ok(()), |why| Err(LedgerError::InClear(why.to_owned())))
+    url.fails_open().map_or(Ok(()), |why| Err(LedgerError::InClear(why)))
 }
 
 /// Quotes a PostgreSQL identifier, so any database name is taken literally.

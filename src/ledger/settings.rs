@@ -6,8 +6,12 @@
 use std::fmt;
 use std::str::FromStr;
 
+use std::ffi::OsStr;
+
+use clap::builder::TypedValueParser;
+use clap::error::ErrorKind;
 use clap::{Args, Parser};
-use sqlx::postgres::PgConnectOptions;
+use sqlx::postgres::{PgConnectOptions, PgSslMode};
 
 /// Where the regional ledger lives.
 #[derive(Args, Clone, Debug)]
@@ -17,7 +21,8 @@ pub struct LedgerSettings {
         long,
         env = "DATABASE_URL",
         default_value = "postgres://postgres@127.0.0.1:5432/keyfence",
-        hide_env_values = true
+        hide_env_values = true,
+        value_parser = DatabaseUrlParser
     )]
     pub database_url: DatabaseUrl,
     /// Connections the ledger pool holds at most (each phase takes one for its transaction).
@@ -49,8 +54,6 @@ impl LedgerSettings {
 #[derive(Clone)]
 pub struct DatabaseUrl {
     options: PgConnectOptions,
-    /// Why it would reach another machine over TLS only if offered, if so.
-    in_clear: Option<String>,
 }
 
 impl DatabaseUrl {
@@ -58,10 +61,19 @@ impl DatabaseUrl {
         &self.options
     }
 
-    /// Why connecting would fail open (TLS not required to another
-    /// machine), if it would: nothing connects then.
-    pub fn fails_open(&self) -> Option<&str> {
-        self.in_clear.as_deref()
+    /// Why connecting would fail open, if it would: the server is another
+    /// machine and TLS is used only if it offers it (`sslmode` `prefer`,
+    /// the driver's default, or `allow`). Nothing connects then.
+    pub fn fails_open(&self) -> Option<String> {
+        let mode = self.options.get_ssl_mode();
+        (!self.is_local() && matches!(mode, PgSslMode::Prefer | PgSslMode::Allow)).then(|| {
+            format!(
+                "the ledger at {} would be reached over TLS only if it offers it (sslmode {mode:?}: not set, set so, \
+                 or not understood): add sslmode=verify-full&sslrootcert=<the server's CA bundle> to the URL (or \
+                 sslmode=disable to mean it)",
+                self.options.get_host(),
+            )
+        })
     }
 
     /// The database this URL names (PostgreSQL's default: the user's name).
@@ -77,7 +89,7 @@ impl DatabaseUrl {
 
     /// The same server and credentials, another database.
     pub fn with_database(&self, name: &str) -> Self {
-        Self { options: self.options.clone().database(name), in_clear: self.in_clear.clone() }
+        Self { options: self.options.clone().database(name) }
     }
 }
 
@@ -86,8 +98,28 @@ impl FromStr for DatabaseUrl {
 
     fn from_str(url: &str) -> Result<Self, Self::Err> {
         let options = url.parse::<PgConnectOptions>().map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
-        // Refused when used, not here: a parse error would repeat the URL, password and all.
-        Ok(Self { options, in_clear: fails_open(url, std::env::var("PGSSLMODE").ok()) })
+        Ok(Self { options })
+    }
+}
+
+/// Parses a ledger URL without ever repeating it in an error: it may hold a
+/// password, and come from the environment.
+#[derive(Clone, Copy, Debug)]
+pub struct DatabaseUrlParser;
+
+impl TypedValueParser for DatabaseUrlParser {
+    type Value = DatabaseUrl;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<DatabaseUrl, clap::Error> {
+        let name = arg.map_or_else(|| "the ledger URL".to_owned(), ToString::to_string);
+        let refused =
+            |why: String| clap::Error::raw(ErrorKind::ValueValidation, format!("{name}: {why}\n")).with_cmd(cmd);
+        value.to_str().ok_or_else(|| refused("not UTF-8".into()))?.parse().map_err(refused)
     }
 }
 
@@ -97,26 +129,6 @@ fn on_this_machine(host: &str) -> bool {
     host.starts_with('/')
         || host.eq_ignore_ascii_case("localhost")
         || bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
-}
-
-/// Why `url` would reach another machine with TLS only if the server
-/// offers it (no `sslmode`, nor `PGSSLMODE`, or `prefer` or `allow`), if it
-/// would. Loopback and Unix sockets need none.
-fn fails_open(url: &str, env_mode: Option<String>) -> Option<String> {
-    let parsed = reqwest::Url::parse(url).ok()?;
-    let asked = |name: &str| parsed.query_pairs().find(|(k, _)| k == name).map(|(_, v)| v.into_owned());
-    let mode = asked("sslmode").or_else(|| asked("ssl-mode")).or(env_mode);
-    if mode.as_deref().is_some_and(|m| !matches!(m, "prefer" | "allow")) {
-        return None;
-    }
-    let host = asked("host").or_else(|| parsed.host_str().map(str::to_owned)).unwrap_or_default();
-    (!host.is_empty() && !on_this_machine(&host)).then(|| {
-        format!(
-            "the ledger at {host} would be reached over TLS only if it offers it (sslmode {}): add \
-             sslmode=verify-full&sslrootcert=<the server's CA bundle> to the URL (or sslmode=disable to mean it)",
-            mode.as_deref().unwrap_or("not set")
-        )
-    })
 }
 
 impl fmt::Display for DatabaseUrl {
@@ -145,17 +157,19 @@ mod tests {
 
     #[test]
     fn another_machine_is_reached_only_with_tls_asked_for() {
+        let open = |url: &str| url.parse::<DatabaseUrl>().unwrap().fails_open();
         for url in [
             "postgres://app@db.internal/ledger",
             "postgres://app@10.0.3.7:5432/ledger?sslmode=prefer",
+            "postgres://app@db.internal/ledger?sslmode=PREFER",
             "postgres://app@db.internal/ledger?sslmode=allow",
+            "postgres://app@db.internal/ledger?sslmode=require&sslmode=prefer",
             "postgres://app@127.0.0.1/ledger?host=db.internal",
+            "postgres://app@localhost/ledger?hostaddr=10.0.3.7",
         ] {
-            let why = fails_open(url, None).unwrap_or_else(|| panic!("{url} fails open"));
+            let why = open(url).unwrap_or_else(|| panic!("{url} fails open"));
             assert!(why.contains("sslmode=verify-full"), "{why}");
         }
-        let url: DatabaseUrl = "postgres://app@db.internal/ledger?sslmode=prefer".parse().unwrap();
-        assert!(url.fails_open().is_some() && url.with_database("postgres").fails_open().is_some());
         for url in [
             "postgres://app@db.internal/ledger?sslmode=verify-full",
             "postgres://app@db.internal/ledger?sslmode=require",
@@ -163,12 +177,20 @@ mod tests {
             "postgres://app@127.0.0.1/ledger",
             "postgres://app@localhost/ledger",
             "postgres://app@[::1]/ledger",
-            "postgres://app@/ledger?host=/var/run/postgresql",
+            "postgres://app@localhost/ledger?host=/var/run/postgresql",
         ] {
-            assert_eq!(fails_open(url, None), None, "{url}");
+            assert_eq!(open(url), None, "{url}");
         }
-        assert_eq!(fails_open("postgres://app@db.internal/ledger", Some("verify-full".into())), None, "PGSSLMODE");
-        let secret = fails_open("postgres://app:s3cret@db.internal/ledger", None).unwrap();
-        assert!(!secret.contains("s3cret"), "{secret}");
+        let url: DatabaseUrl = "postgres://app:s3cret@db.internal/ledger".parse().unwrap();
+        assert!(url.with_database("postgres").fails_open().is_some(), "the maintenance database too");
+        assert!(!url.fails_open().unwrap().contains("s3cret"));
+    }
+
+    #[test]
+    fn a_url_that_does_not_parse_is_refused_without_being_repeated() {
+        let command = clap::Command::new("keyfence");
+        let secret = OsStr::new("postgres://app:s3cret@db.internal:port/ledger");
+        let refused = DatabaseUrlParser.parse_ref(&command, None, secret).unwrap_err().to_string();
+        assert!(refused.contains("the ledger URL") && !refused.contains("s3cret"), "{refused}");
     }
 }

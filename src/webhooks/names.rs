@@ -26,6 +26,15 @@ pub const PER_CLIENT: usize = 4;
 /// How long a name that does not exist is known not to, at least.
 const REMEMBER_ABSENT: Duration = Duration::from_secs(30);
 
+/// How long a name's addresses are kept at most, whatever their TTL.
+const REMEMBER_FOUND: Duration = Duration::from_secs(300);
+
+/// Answers kept at most.
+const CACHED_ANSWERS: u64 = 256;
+
+/// Addresses taken from one answer at most (every one must be public).
+const ADDRESSES: usize = 16;
+
 /// Why nothing could be looked up.
 #[derive(Debug, thiserror::Error)]
 pub enum NamesError {
@@ -66,6 +75,10 @@ impl Names {
         options.timeout = RESOLVE_FOR;
         options.attempts = 1;
         options.negative_min_ttl = Some(REMEMBER_ABSENT);
+        // The cache is shared by every client: small, and nothing in it for
+        // long, so no client's names can crowd it or pin memory.
+        options.cache_size = CACHED_ANSWERS;
+        options.positive_max_ttl = Some(REMEMBER_FOUND);
         let resolver = builder.build().map_err(NamesError::Build)?;
         Ok(Self { resolver, asking: Shares::default() })
     }
@@ -74,7 +87,7 @@ impl Names {
     /// it does not resolve (or not in time).
     pub async fn resolve(&self, host: &str) -> Vec<IpAddr> {
         match tokio::time::timeout(RESOLVE_FOR, self.resolver.lookup_ip(host)).await {
-            Ok(Ok(found)) => found.iter().collect(),
+            Ok(Ok(found)) => found.iter().take(ADDRESSES).collect(),
             Ok(Err(_)) | Err(_) => Vec::new(),
         }
     }

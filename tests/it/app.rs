@@ -244,11 +244,13 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         region_secret: Some(RegionSecret::new(REGION_SECRET).unwrap()),
     };
     adjust(&mut settings);
-    let Served { url, admin_url, stop } = start_serving(&settings).await;
+    // The client exists before the instance starts, as in a deployment:
+    // its first request finds its key in the directory the instance read.
     let api_key = ApiKey::generate();
     let clients = ClientStore::new(keys.store.client().clone(), keys.store.table());
     let client = clients.add("test client", &api_key).await.unwrap();
     clients.change_accounts(client.id, &[DEBTOR.to_owned()], true).await.unwrap();
+    let Served { url, admin_url, stop } = start_serving(&settings).await;
     TestApp {
         url,
         admin_url,

@@ -152,3 +152,31 @@ async fn migrate_moves_clients_of_the_older_layout_into_their_records() {
     let refused = app.pay_as(key.reveal(), "old-layout-3", &payment("E2E-OLD-LAYOUT-3")).await;
     assert_eq!(refused.status(), StatusCode::UNAUTHORIZED, "the revocation held");
 }
+
+/// A client record that does not read (a field of the wrong type, written
+/// by hand or by another version) keeps no instance from starting and locks
+/// out no other client: that client alone is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_does_not_read_locks_out_no_other_client() {
+    let app = spawn_app().await;
+    let (broken, broken_key) = app.add_client().await;
+    app.keys
+        .store
+        .client()
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(format!("control#clients#record#{broken}")))
+        .update_expression("SET rate = :text")
+        .expression_attribute_values(":text", aws_sdk_dynamodb::types::AttributeValue::S("fast".into()))
+        .send()
+        .await
+        .unwrap();
+    let fresh = crate::app::start_serving(&app.settings).await;
+    let paid = app.try_pay_at(&fresh.url, &app.api_key, "fine-1", &payment("E2E-FINE-1")).await.unwrap();
+    assert_eq!(paid.status(), StatusCode::CREATED, "another client is served");
+    let refused = app.try_pay_at(&fresh.url, &broken_key, "broken-1", &payment("E2E-BROKEN-1")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::UNAUTHORIZED, "the client whose record does not read is not");
+    let metrics = app.http.get(format!("{}/metrics", fresh.admin_url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("keyfence_client_records_unreadable_total"), "and it is counted");
+    assert_eq!(app.e2.statement().await.len(), 1);
+}

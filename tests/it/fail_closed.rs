@@ -69,10 +69,25 @@ async fn settings_that_fail_open_are_refused_at_start() {
     let app = spawn_app().await;
 
     let mut in_clear = keyfence_command(&app, "serve");
-    in_clear.env("KEYFENCE_E2_URL", "http://rail.example.com");
+    in_clear.env("KEYFENCE_E2_URL", "http://user:hunter2-secret@rail.example.com");
     let (code, stderr) = refused(in_clear).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("KEYFENCE_E2_URL") && stderr.contains("https"), "{stderr}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+
+    // Through a proxy, loopback is the proxy's own machine: in clear there too.
+    let mut proxied = keyfence_command(&app, "serve");
+    proxied.env("KEYFENCE_RAIL_PROXY", "http://proxy.example.com:3128");
+    let (code, stderr) = refused(proxied).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("KEYFENCE_E1_URL") && stderr.contains("proxy"), "{stderr}");
+
+    // A ledger URL that does not parse is refused without being repeated.
+    let mut unparsed = keyfence_command(&app, "migrate");
+    unparsed.env("DATABASE_URL", "postgres://keyfence:hunter2-secret@ledger.example.com:port/keyfence");
+    let (code, stderr) = refused(unparsed).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("database-url") && !stderr.contains("hunter2"), "{stderr}");
 
     let mut ledger = keyfence_command(&app, "migrate");
     ledger.env("DATABASE_URL", "postgres://keyfence:hunter2-secret@ledger.example.com:5432/keyfence");
@@ -97,6 +112,8 @@ async fn no_command_takes_a_password_on_its_command_line() {
         ("serve", vec!["--database-url=postgres://keyfence:hunter2-secret@127.0.0.1:5432/elsewhere"]),
         ("serve", vec!["--rail-proxy", "http://user:hunter2-secret@127.0.0.1:3128"]),
         ("reconcile", vec!["--database-url", "postgres://keyfence:hunter2-secret@127.0.0.1:5432/elsewhere"]),
+        ("migrate", vec!["--database-url", "postgres://keyfence@127.0.0.1:5432/elsewhere?password=hunter2-secret"]),
+        ("serve", vec!["--rail-proxy", "http://hunter2-secret@127.0.0.1:3128"]),
     ] {
         let mut command = keyfence_command(&app, subcommand);
         command.args(&args);

@@ -237,6 +237,8 @@ async fn a_clients_limits_are_enforced_before_anything_is_claimed() {
         ..Default::default()
     };
     app.clients().set_limits(app.client_id().await, &limits).await.unwrap();
+    // Seen at the instance's next read of the directory's changes.
+    app.clock.advance(keyfence::clients::CACHE_FOR);
     let euros = app.pay("limits-1", &payment("E2E-LIMIT-1")).await;
     assert_eq!(euros.status(), StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(euros.json::<Value>().await.unwrap()["limit"], "currencies");
