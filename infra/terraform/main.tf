@@ -76,7 +76,7 @@ resource "aws_dynamodb_table" "keys" {
   deletion_protection_enabled = true
 
   # Without keys, DynamoDB encrypts with its AWS-owned key (as the
-  # CloudFormation template does).
+  # CloudFormation template does without KmsKeyArn).
   dynamic "server_side_encryption" {
     for_each = length(var.kms_key_arns) > 0 ? [lookup(var.kms_key_arns, local.home_region, null)] : []
     content {
