@@ -48,6 +48,7 @@ mod metrics;
 mod parked;
 mod partitions;
 mod perimeter;
+mod policies;
 mod process;
 mod protocol_model;
 mod proxy;

@@ -69,10 +69,10 @@ async fn a_rotated_key_keeps_the_clients_history_and_the_old_one_works_through_i
 }
 
 /// DynamoDB operations a proxy passed on, by name (`GetItem`, `Scan`, ...).
-type Seen = Arc<Mutex<Vec<String>>>;
+pub type Seen = Arc<Mutex<Vec<String>>>;
 
 /// An HTTP proxy in front of DynamoDB that records each operation.
-async fn counting_proxy(upstream: String) -> (TestRail, Seen) {
+pub async fn counting_proxy(upstream: String) -> (TestRail, Seen) {
     let seen: Seen = Arc::default();
     async fn forward(State((upstream, seen)): State<(String, Seen)>, request: Request) -> Response {
         let (parts, body) = request.into_parts();
