@@ -32,21 +32,21 @@ const ATTEMPTS: usize = 12;
 
 /// The change log as read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Changes {
-    pub version: u64,
+pub(super) struct Changes {
+    pub(super) version: u64,
     recent: HashMap<ClientId, u64>,
 }
 
 impl Changes {
     /// The clients changed since version `since`, if the log still names
     /// every one of them.
-    pub fn since(&self, since: u64) -> Option<Vec<ClientId>> {
+    pub(super) fn since(&self, since: u64) -> Option<Vec<ClientId>> {
         (self.version.saturating_sub(since) <= RECENT)
             .then(|| self.recent.iter().filter(|(_, at)| **at > since).map(|(id, _)| *id).collect())
     }
 
     /// Every client the log names.
-    pub fn named(&self) -> Vec<ClientId> {
+    pub(super) fn named(&self) -> Vec<ClientId> {
         self.recent.keys().copied().collect()
     }
 
@@ -91,7 +91,7 @@ impl Changes {
 
 impl ClientStore {
     /// The change log as it is now (a strongly consistent read).
-    pub async fn changes(&self) -> Result<Changes, ClientsError> {
+    pub(super) async fn changes(&self) -> Result<Changes, ClientsError> {
         let out = self
             .client()
             .get_item()
@@ -126,22 +126,9 @@ impl ClientStore {
     /// One try at logging a change of client `id`.
     async fn log(&self, id: ClientId) -> Result<(), ClientsError> {
         let read = self.changes().await?;
-        let put = self
-            .client()
-            .put_item()
-            .table_name(self.table())
-            .set_item(Some(read.with(id).encode()))
-            .condition_expression("attribute_not_exists(pk) OR version = :read")
-            .expression_attribute_values(":read", n(read.version))
-            .send()
-            .await;
-        match put {
-            Ok(_) => Ok(()),
-            Err(e) if e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()) => {
-                Err(ClientsError::Contended(id))
-            }
-            Err(e) => Err(store(e)),
-        }
+        let condition = "attribute_not_exists(pk) OR version = :read";
+        let values = HashMap::from([(":read".to_owned(), n(read.version))]);
+        self.put_when(id, read.with(id).encode(), condition, Some(values)).await
     }
 }
 

@@ -22,7 +22,7 @@ use super::{CACHE_FOR, ClientRecord, ClientStore, ClientsError, Profile};
 use crate::domain::{ApiKey, ClientId, SharedClock};
 
 /// How often the change log is read.
-pub const POLL: Duration = Duration::from_secs(1);
+const POLL: Duration = Duration::from_secs(1);
 
 /// How often the whole directory is read again, whatever the log says (a
 /// change whose log write failed is seen then).
@@ -70,6 +70,16 @@ impl Records {
         }
     }
 
+    /// Reads the records of `ids` again (100 a call) and takes them in.
+    async fn read(&mut self, store: &ClientStore, mut ids: Vec<ClientId>) -> Result<(), ClientsError> {
+        ids.sort();
+        ids.dedup();
+        for chunk in ids.chunks(100) {
+            self.take(store.records(chunk).await?.iter().map(decoded).collect());
+        }
+        Ok(())
+    }
+
     /// The client `digest` lets in at `now`, if any.
     fn admits(&self, digest: &str, now: u64) -> Option<ClientId> {
         let client = *self.owners.get(digest)?;
@@ -109,10 +119,6 @@ impl Directory {
         let asked = clock.instant();
         let view = read_whole(&store, asked).await?;
         Ok(Self { store, view: watch::Sender::new(Arc::new(view)), clock })
-    }
-
-    pub fn store(&self) -> &ClientStore {
-        &self.store
     }
 
     /// Reads the change log every [`POLL`] until `stopped` changes, taking
@@ -155,18 +161,15 @@ impl Directory {
         let asked = self.clock.instant();
         let current = self.view.borrow().records.clone();
         let changes = self.store.changes().await?;
-        let next = match changes.since(current.version) {
-            _ if changes.version == current.version => View { records: current, confirmed: asked },
-            Some(mut changed) => {
-                let mut records = Records { version: changes.version, ..(*current).clone() };
-                changed.sort();
-                for chunk in changed.chunks(100) {
-                    records.take(self.store.records(chunk).await?.iter().map(decoded).collect());
-                }
-                View { records: Arc::new(records), confirmed: asked }
-            }
+        let next = if changes.version == current.version {
+            View { records: current, confirmed: asked }
+        } else if let Some(changed) = changes.since(current.version) {
+            let mut records = Records { version: changes.version, ..(*current).clone() };
+            records.read(&self.store, changed).await?;
+            View { records: Arc::new(records), confirmed: asked }
+        } else {
             // Too far behind for the log: everything again.
-            None => read_whole(&self.store, asked).await?,
+            read_whole(&self.store, asked).await?
         };
         self.install(next, false);
         Ok(())
@@ -238,11 +241,7 @@ async fn read_whole(store: &ClientStore, asked: Instant) -> Result<View, Clients
     let changes = store.changes().await?;
     let mut ids = store.listed().await?;
     ids.extend(changes.named());
-    ids.sort();
-    ids.dedup();
     let mut records = Records { version: changes.version, ..Records::default() };
-    for chunk in ids.chunks(100) {
-        records.take(store.records(chunk).await?.iter().map(decoded).collect());
-    }
+    records.read(store, ids).await?;
     Ok(View { records: Arc::new(records), confirmed: asked })
 }

@@ -21,8 +21,7 @@ use std::time::Duration;
 
 use crate::domain::ClientId;
 
-pub use changes::Changes;
-pub use directory::{Directory, POLL};
+pub use directory::Directory;
 pub use keys::Rotated;
 pub use legacy::Carried;
 pub use profile::{FairUse, Limits, Profile, Refusal};

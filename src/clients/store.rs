@@ -203,12 +203,25 @@ impl ClientStore {
     /// Puts `item` on the condition that nothing is there yet (else
     /// `Contended`).
     pub(super) async fn put_new(&self, id: ClientId, item: Attrs) -> Result<(), ClientsError> {
+        self.put_when(id, item, "attribute_not_exists(pk)", None).await
+    }
+
+    /// Puts `item` (a change of client `id`'s) on `condition` with `values`;
+    /// `Contended` when the condition does not hold.
+    pub(super) async fn put_when(
+        &self,
+        id: ClientId,
+        item: Attrs,
+        condition: &str,
+        values: Option<Attrs>,
+    ) -> Result<(), ClientsError> {
         let put = self
             .client
             .put_item()
             .table_name(&self.table)
             .set_item(Some(item))
-            .condition_expression("attribute_not_exists(pk)")
+            .condition_expression(condition)
+            .set_expression_attribute_values(values)
             .send()
             .await;
         match put {

@@ -222,15 +222,7 @@ mod tests {
         })))
         .await;
         let rail = RailClient::new("payment", &redirecting, Duration::from_secs(2), 1, None);
-        let instruction = crate::rail::Instruction {
-            originator: "client".into(),
-            end_to_end_id: "E2E-1".into(),
-            amount_minor: 1250,
-            currency: "EUR".into(),
-            debtor_account: "DE89370400440532013000".into(),
-            creditor_account: "FR1420041010050500013M02606".into(),
-        };
-        let outcome = rail.send("k", &instruction).await;
+        let outcome = rail.send("k", &crate::rail::tests::sent()).await;
         assert!(matches!(outcome, CallOutcome::Unknown(ref why) if why.contains("307")), "{outcome:?}");
         assert_eq!(reached.load(Ordering::Relaxed), 0, "the redirect was not followed");
     }

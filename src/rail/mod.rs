@@ -151,10 +151,11 @@ pub fn answers(verdict: &Verdict, key: &str, sent: &Instruction) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn sent() -> Instruction {
+    /// An instruction as a payment sends it (the rail client's tests too).
+    pub(crate) fn sent() -> Instruction {
         Instruction {
             originator: "client".into(),
             end_to_end_id: "E2E-1".into(),

@@ -18,7 +18,7 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use crate::domain::{ClientId, Shares};
 
 /// How long a name may take to resolve.
-pub const RESOLVE_FOR: Duration = Duration::from_secs(2);
+const RESOLVE_FOR: Duration = Duration::from_secs(2);
 
 /// Lookups one client may have under way at once when registering.
 pub const PER_CLIENT: usize = 4;
