@@ -323,8 +323,10 @@ impl Application {
 
     /// Serves (and runs the recovery worker, the expiry sweeper, the
     /// webhook delivery worker, the inbox worker, the ledger's partition
-    /// housekeeper and the ledger fence's follower) until `shutdown` resolves, then finishes
-    /// in-flight requests and the workers' rounds, for at most the drain timeout.
+    /// housekeeper and the ledger fence's follower) until `shutdown` resolves, then lets
+    /// in-flight requests and the workers' rounds finish until the drain timeout, counted from
+    /// the shutdown; what is left then is dropped (and resumed, like after a crash, by whichever
+    /// instance sweeps next).
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let (stop, stopped) = tokio::sync::watch::channel(());
         let follower = tokio::spawn(crate::regions::follow_registry(

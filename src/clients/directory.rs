@@ -175,19 +175,23 @@ impl Directory {
         Ok(())
     }
 
-    /// Takes `next` in if it holds later changes than the view, or the same
-    /// ones confirmed later, or (`whole`: the whole directory read again,
-    /// which also catches a change the log missed) the same ones; an older
-    /// one, read meanwhile, changes nothing.
+    /// Takes `next` in if it holds later changes than the view, or is the
+    /// whole directory read again at the same version (which also catches a
+    /// change the log missed); a read of the same version only confirms the
+    /// view's records later (they may be a whole read's, taken meanwhile);
+    /// an older one changes nothing.
     fn install(&self, next: View, whole: bool) {
         self.view.send_if_modified(|view| {
             let (mine, theirs) = (view.records.version, next.records.version);
-            let taken = theirs > mine || (theirs == mine && (whole || next.confirmed > view.confirmed));
-            if taken {
-                let confirmed = next.confirmed.max(view.confirmed);
-                *view = Arc::new(View { records: next.records, confirmed });
-            }
-            taken
+            let confirmed = next.confirmed.max(view.confirmed);
+            let records = match theirs.cmp(&mine) {
+                std::cmp::Ordering::Greater => next.records,
+                std::cmp::Ordering::Equal if whole => next.records,
+                std::cmp::Ordering::Equal if confirmed > view.confirmed => view.records.clone(),
+                _ => return false,
+            };
+            *view = Arc::new(View { records, confirmed });
+            true
         });
     }
 
@@ -244,4 +248,39 @@ async fn read_whole(store: &ClientStore, asked: Instant) -> Result<View, Clients
     let mut records = Records { version: changes.version, ..Records::default() };
     records.read(store, ids).await?;
     Ok(View { records: Arc::new(records), confirmed: asked })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn directory(view: View) -> Directory {
+        let config = aws_sdk_dynamodb::Config::builder().behavior_version_latest().build();
+        let store = ClientStore::new(aws_sdk_dynamodb::Client::from_conf(config), "unused");
+        Directory { store, view: watch::Sender::new(Arc::new(view)), clock: SharedClock::default() }
+    }
+
+    /// Records at `version` holding one key digest, `marker`.
+    fn records(version: u64, marker: &str) -> Arc<Records> {
+        let owners = HashMap::from([(marker.to_owned(), ClientId::generate())]);
+        Arc::new(Records { version, owners, records: HashMap::new() })
+    }
+
+    /// A poll that began before a whole read was taken in confirms the view
+    /// later, but does not put its older records back over the whole read's.
+    #[test]
+    fn a_slower_poll_of_the_same_version_keeps_the_whole_reads_records() {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let directory = directory(View { records: records(7, "polled"), confirmed: at(10) });
+        directory.install(View { records: records(7, "whole"), confirmed: at(5) }, true);
+        directory.install(View { records: records(7, "polled"), confirmed: at(20) }, false);
+        let view = directory.view.borrow().clone();
+        assert!(view.records.owners.contains_key("whole"), "the whole read's records stay");
+        assert_eq!(view.confirmed, at(20), "confirmed by the later poll");
+        directory.install(View { records: records(8, "newer"), confirmed: at(15) }, false);
+        assert!(directory.view.borrow().records.owners.contains_key("newer"), "later changes are taken");
+        directory.install(View { records: records(7, "older"), confirmed: at(30) }, true);
+        assert!(directory.view.borrow().records.owners.contains_key("newer"), "an older version is not");
+    }
 }

@@ -53,8 +53,10 @@ pub enum ClientsError {
 
 pub(super) type Attrs = HashMap<String, AttributeValue>;
 
-/// The pause before asking again for records a batch read left unprocessed.
+/// The pause before asking again for records a batch read left
+/// unprocessed (longer each time), and how often it is asked again.
 const UNPROCESSED_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+const UNPROCESSED_TRIES: u32 = 8;
 
 /// Hex digits of the digest that name a key to people.
 const KEY_ID_DIGITS: usize = 12;
@@ -309,6 +311,7 @@ impl ClientStore {
         let mut wanted =
             Some(KeysAndAttributes::builder().set_keys(Some(keys)).consistent_read(true).build().map_err(store)?);
         let mut found = Vec::new();
+        let mut throttled = 0;
         while let Some(batch) = wanted.take() {
             let out = self.client.batch_get_item().request_items(&self.table, batch).send().await.map_err(store)?;
             for item in out.responses().and_then(|r| r.get(&self.table)).into_iter().flatten() {
@@ -316,8 +319,13 @@ impl ClientStore {
             }
             wanted = out.unprocessed_keys().and_then(|u| u.get(&self.table)).cloned();
             if wanted.is_some() {
-                // Throttled: give the table a moment before asking again.
-                tokio::time::sleep(UNPROCESSED_WAIT).await;
+                // Throttled: give the table a moment before asking again,
+                // and give up (the caller keeps what it had) past a few.
+                throttled += 1;
+                if throttled > UNPROCESSED_TRIES {
+                    return Err(ClientsError::Store("the table kept leaving records unread (throttled)".into()));
+                }
+                tokio::time::sleep(UNPROCESSED_WAIT * throttled).await;
             }
         }
         Ok(found)
