@@ -19,7 +19,7 @@ use crate::keystore::KeyStoreSettings;
 use crate::ledger::LedgerSettings;
 use crate::ledger::partitions::Partitioning;
 use crate::rail::RailClient;
-use crate::webhooks::DeliverySettings;
+use crate::webhooks::{DeliverySettings, SealingSettings};
 
 /// The external systems and how each is called.
 #[derive(Args, Clone, Debug)]
@@ -325,6 +325,8 @@ pub struct ServeSettings {
     pub webhooks_resolver: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub webhook_delivery: DeliverySettings,
+    #[command(flatten)]
+    pub webhook_sealing: SealingSettings,
     /// How often the inbox worker applies what the rails' notifications wait for (returns of
     /// payments that settled since, verdicts nobody is working), in milliseconds (0: never).
     #[arg(long = "inbox-interval-ms", env = "KEYFENCE_INBOX_INTERVAL_MS", default_value_t = 1000)]

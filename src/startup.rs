@@ -25,7 +25,7 @@ use crate::rail::RailClient;
 use crate::regions::{RegionStore, RegionView};
 use crate::webhooks::deliveries::Deliveries;
 use crate::webhooks::worker::{Stores, Worker};
-use crate::webhooks::{self, EndpointStore, TargetPolicy};
+use crate::webhooks::{self, EndpointStore, Sealer, SealingSettings, TargetPolicy};
 use crate::{expiry, recovery};
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +44,12 @@ pub enum StartupError {
     Clients(#[from] crate::clients::ClientsError),
     #[error("webhooks: {0}")]
     Names(#[from] webhooks::names::NamesError),
+    #[error("webhooks: {0}")]
+    Sealing(#[from] webhooks::sealing::SealError),
+    #[error("{0}")]
+    Webhooks(#[from] webhooks::WebhooksError),
+    #[error("{0}")]
+    Regions(#[from] crate::regions::RegionsError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
     /// Settings that cannot work together; nothing was started.
@@ -76,6 +82,9 @@ pub struct Migrated {
     pub clients_copied: usize,
     /// What became of clients of the key table's older layout.
     pub older_clients: crate::clients::Carried,
+    /// Webhook secrets stored in the clear (from before secrets were
+    /// sealed) now sealed; `None` where no sealing key is set.
+    pub webhook_secrets_sealed: Option<usize>,
 }
 
 /// Creates the key table if missing and brings the ledger schema up to date.
@@ -85,6 +94,7 @@ pub struct Migrated {
 pub async fn migrate(
     keys: &KeyStoreSettings,
     ledger: &LedgerSettings,
+    sealing: &SealingSettings,
     options: MigrateOptions,
 ) -> Result<Migrated, StartupError> {
     let client = keystore::connect(keys).await?;
@@ -103,6 +113,12 @@ pub async fn migrate(
         }
         table_notes = check.notes;
     }
+    RegionStore::new(client.clone(), keys.table.clone()).create().await?;
+    let webhook_secrets_sealed = match Sealer::new(sealing, keys).await {
+        Ok(sealer) => Some(EndpointStore::new(client.clone(), keys.table.clone(), sealer).seal_in_clear().await?),
+        Err(webhooks::sealing::SealError::NoKey) => None,
+        Err(e) => return Err(e.into()),
+    };
     let drop_older_clients = options.drop_older_clients;
     let (regional, ledger) = Ledger::migrate(ledger).await?;
     // Clients used to live in each ledger; they are global now.
@@ -120,7 +136,7 @@ pub async fn migrate(
         directory.put(record, &legacy.digest).await?;
         clients_copied += 1;
     }
-    Ok(Migrated { table, table_notes, ledger, clients_copied, older_clients })
+    Ok(Migrated { table, table_notes, ledger, clients_copied, older_clients, webhook_secrets_sealed })
 }
 
 /// The engine over the configured stores and rails.
@@ -232,7 +248,8 @@ impl Application {
                 listener.local_addr().map_err(|source| StartupError::Listen { addr: settings.listen, source })?
             ),
         };
-        let endpoints = EndpointStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone());
+        let sealer = Sealer::new(&settings.webhook_sealing, &settings.engine.keys).await?;
+        let endpoints = EndpointStore::new(engine.keys().client().clone(), settings.engine.keys.table.clone(), sealer);
         let targets = TargetPolicy {
             allow_private: settings.webhooks_allow_private,
             names: webhooks::Names::new(settings.webhooks_resolver)?,

@@ -23,7 +23,17 @@ output "serve_policy_arn" {
   value       = aws_iam_policy.serve.arn
 }
 
-output "admin_policy_arn" {
-  description = "Policy for the roles operators run the keyfence CLI as."
-  value       = aws_iam_policy.admin.arn
+output "sre_policy_arn" {
+  description = "Policy for the role SREs run `keyfence regions`, `recover`, `reconcile` and `maintain` as."
+  value       = aws_iam_policy.sre.arn
+}
+
+output "security_policy_arn" {
+  description = "Policy for the role `keyfence clients`, `accounts` and `webhooks` run as."
+  value       = aws_iam_policy.security.arn
+}
+
+output "migration_policy_arn" {
+  description = "Policy for the role `keyfence migrate` runs as."
+  value       = aws_iam_policy.migration.arn
 }

@@ -31,8 +31,18 @@ variable "kms_key_arns" {
   default     = {}
 }
 
+variable "webhook_kms_key_id" {
+  description = "The multi-Region KMS key (mrk-..., replicated to every region keyfence serves in) that seals webhook secrets; KEYFENCE_WEBHOOK_KMS_KEY names it."
+  type        = string
+
+  validation {
+    condition     = can(regex("^mrk-[0-9a-f]{32}$", var.webhook_kms_key_id))
+    error_message = "webhook_kms_key_id must be a multi-Region key's id (mrk- and 32 hex digits)."
+  }
+}
+
 variable "tags" {
-  description = "Tags for the table (propagated to every replica) and the two policies."
+  description = "Tags for the table (propagated to every replica) and the four policies."
   type        = map(string)
   default     = {}
 }

@@ -10,6 +10,7 @@ use keyfence::keystore::KeyStoreSettings;
 use keyfence::keystore::TableChange;
 use keyfence::ledger::LedgerSettings;
 use keyfence::startup::{self, Application, MigrateOptions, StartupError, shutdown_signal};
+use keyfence::webhooks::SealingSettings;
 
 /// Exit status 2 when the settings cannot work together (or are left at
 /// local defaults away from a local endpoint).
@@ -36,6 +37,9 @@ pub struct MigrateArgs {
     keys: KeyStoreSettings,
     #[command(flatten)]
     ledger: LedgerSettings,
+    /// The key webhook secrets kept in the clear (from before they were sealed) are sealed with.
+    #[command(flatten)]
+    sealing: SealingSettings,
     /// Delete the older layout's client items once copied: only when every region runs this version.
     #[arg(long = "drop-older-clients")]
     drop_older_clients: bool,
@@ -50,7 +54,7 @@ pub struct MigrateArgs {
 
 pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     let options = MigrateOptions { create_table: args.create_table, drop_older_clients: args.drop_older_clients };
-    let done = startup::migrate(&args.keys, &args.ledger, options)
+    let done = startup::migrate(&args.keys, &args.ledger, &args.sealing, options)
         .await
         .with_context(|| format!("migrating table {} and ledger {}", args.keys.table, args.ledger.database_url))?;
     let table = match done.table {
@@ -74,6 +78,7 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                 "dropped": done.older_clients.dropped,
                 "revocations": done.older_clients.revocations,
             },
+            "webhook_secrets_sealed": done.webhook_secrets_sealed,
         });
         println!("{report}");
     } else {
@@ -107,6 +112,14 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         }
         if done.clients_copied > 0 {
             println!("{} client(s) of this ledger are in the key table now (clients are global)", done.clients_copied);
+        }
+        match done.webhook_secrets_sealed {
+            Some(0) => {}
+            Some(sealed) => println!("{sealed} webhook secret(s) kept in the clear are sealed now"),
+            None => println!(
+                "webhook secrets kept in the clear (if any) are not sealed: set KEYFENCE_WEBHOOK_KMS_KEY or \
+                 KEYFENCE_WEBHOOK_SEALING_KEY_FILE and migrate again"
+            ),
         }
     }
     Ok(())

@@ -12,7 +12,7 @@ use keyfence::keystore::KeyStoreSettings;
 use keyfence::ledger::Ledger;
 use keyfence::ledger::LedgerSettings;
 use keyfence::webhooks::deliveries::{Deliveries, Listed, Redeliver};
-use keyfence::webhooks::{self, EndpointStore, TargetPolicy};
+use keyfence::webhooks::{self, EndpointStore, Issued, Sealer, SealingSettings, TargetPolicy};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
@@ -40,6 +40,8 @@ pub enum WebhooksCommand {
         resolver: Option<std::net::SocketAddr>,
         #[command(flatten)]
         keys: KeyStoreSettings,
+        #[command(flatten)]
+        sealing: SealingSettings,
         #[arg(long)]
         json: bool,
     },
@@ -72,6 +74,8 @@ pub enum WebhooksCommand {
         grace: std::time::Duration,
         #[command(flatten)]
         keys: KeyStoreSettings,
+        #[command(flatten)]
+        sealing: SealingSettings,
         #[arg(long)]
         json: bool,
     },
@@ -118,7 +122,7 @@ pub enum WebhooksCommand {
 impl WebhooksCommand {
     pub async fn run(self) -> anyhow::Result<()> {
         match self {
-            Self::Add { client, url, events, allow_private, resolver, keys, json } => {
+            Self::Add { client, url, events, allow_private, resolver, keys, sealing, json } => {
                 anyhow::ensure!(
                     !allow_private || keys.local_endpoint(),
                     "--allow-private is for a development stack: refused while the key table is not on this machine"
@@ -127,8 +131,8 @@ impl WebhooksCommand {
                 let events = webhooks::checked_events(&events).map_err(anyhow::Error::msg)?;
                 let names = webhooks::Names::new(resolver)?;
                 let url = TargetPolicy { allow_private, names }.check(&url, client).await?;
-                let endpoint = store(&keys).await?.add(client, &url, events).await?;
-                let secret = &endpoint.secrets[0].value;
+                let Issued { endpoint, secret } = store(&keys, Some(&sealing)).await?.add(client, &url, events).await?;
+                let secret = &secret.value;
                 if json {
                     let mut body = endpoint.public();
                     body["secret"] = secret.clone().into();
@@ -144,7 +148,7 @@ impl WebhooksCommand {
                 }
             }
             Self::List { client, keys, json } => {
-                let endpoints = store(&keys).await?.list(client).await?;
+                let endpoints = store(&keys, None).await?.list(client).await?;
                 if json {
                     let data: Vec<_> = endpoints.iter().map(webhooks::Endpoint::public).collect();
                     println!("{}", serde_json::to_string_pretty(&data)?);
@@ -156,12 +160,12 @@ impl WebhooksCommand {
                 }
             }
             Self::Remove { client, id, keys } => {
-                store(&keys).await?.remove(client, id).await?;
+                store(&keys, None).await?.remove(client, id).await?;
                 println!("endpoint {id} of client {client} removed");
             }
-            Self::RotateSecret { client, id, grace, keys, json } => {
-                let endpoint = store(&keys).await?.rotate(client, id, grace).await?;
-                let secret = &endpoint.secrets[0].value;
+            Self::RotateSecret { client, id, grace, keys, sealing, json } => {
+                let Issued { endpoint, secret } = store(&keys, Some(&sealing)).await?.rotate(client, id, grace).await?;
+                let secret = &secret.value;
                 if json {
                     println!("{}", serde_json::json!({ "id": endpoint.id, "secret": secret }));
                 } else {
@@ -170,7 +174,7 @@ impl WebhooksCommand {
                 }
             }
             Self::Enable { client, id, keys } => {
-                store(&keys).await?.enable(client, id).await?;
+                store(&keys, None).await?.enable(client, id).await?;
                 println!(
                     "endpoint {id} of client {client} enabled; `keyfence webhooks redeliver` sends what it missed"
                 );
@@ -243,8 +247,13 @@ async fn deliveries(ledger: &LedgerSettings) -> anyhow::Result<Deliveries> {
     Ok(Deliveries::new(connected.pool().clone()))
 }
 
-async fn store(keys: &KeyStoreSettings) -> anyhow::Result<EndpointStore> {
-    Ok(EndpointStore::new(keystore::connect(keys).await?, keys.table.clone()))
+/// The endpoints store; `sealing` for the commands that issue a secret.
+async fn store(keys: &KeyStoreSettings, sealing: Option<&SealingSettings>) -> anyhow::Result<EndpointStore> {
+    let sealer = match sealing {
+        Some(sealing) => Sealer::new(sealing, keys).await?,
+        None => Sealer::unavailable(),
+    };
+    Ok(EndpointStore::new(keystore::connect(keys).await?, keys.table.clone(), sealer))
 }
 
 /// Refuses endpoints for a client that does not exist.

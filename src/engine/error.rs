@@ -103,7 +103,9 @@ impl From<RegionsError> for EngineError {
     fn from(e: RegionsError) -> Self {
         match e {
             RegionsError::Store(_) | RegionsError::Contended => EngineError::Transient(Cause::Regions(e)),
-            RegionsError::Malformed(_) | RegionsError::Invalid(_) => EngineError::Broken(Cause::Regions(e)),
+            RegionsError::Malformed(_) | RegionsError::Invalid(_) | RegionsError::Missing => {
+                EngineError::Broken(Cause::Regions(e))
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ use uuid::Uuid;
 use super::extract::{Caller, json_body};
 use super::{ApiError, AppState};
 use crate::domain::FieldError;
+use crate::webhooks::sealing::SealError;
 use crate::webhooks::target::Refused;
 use crate::webhooks::{self, WebhooksError};
 
@@ -58,9 +59,9 @@ pub async fn create(
         }
     };
     let (Some(url), Some(events)) = (url, events) else { return Err(ApiError::InvalidEndpoint(errors)) };
-    let endpoint = state.webhooks.add(client, &url, events).await.map_err(refused)?;
-    let mut body = endpoint.public();
-    body["secret"] = json!(endpoint.secrets[0].value);
+    let issued = state.webhooks.add(client, &url, events).await.map_err(refused)?;
+    let mut body = issued.endpoint.public();
+    body["secret"] = json!(issued.secret.value);
     Ok((StatusCode::CREATED, axum::Json(body)).into_response())
 }
 
@@ -88,7 +89,10 @@ fn refused(e: WebhooksError) -> ApiError {
             limit: "webhook_endpoints",
             detail: format!("A client has at most {} webhook endpoints", webhooks::MAX_ENDPOINTS),
         },
-        WebhooksError::Contended | WebhooksError::Store(_) | WebhooksError::Deliveries(_) => ApiError::unavailable(e),
-        WebhooksError::Malformed(_) => ApiError::internal(e),
+        WebhooksError::Contended
+        | WebhooksError::Store(_)
+        | WebhooksError::Deliveries(_)
+        | WebhooksError::Sealing(SealError::Kms(_)) => ApiError::unavailable(e),
+        WebhooksError::Malformed(_) | WebhooksError::Sealing(_) => ApiError::internal(e),
     }
 }

@@ -68,6 +68,14 @@ fn attempts(settings: &KeyStoreSettings) -> Result<u32, ConnectError> {
 /// back-off, and each attempt has a time limit, so a hung connection becomes
 /// a retry rather than a hung request.
 pub async fn connect(settings: &KeyStoreSettings) -> Result<Client, ConnectError> {
+    let shared = sdk_config(settings).await?;
+    let config = aws_sdk_dynamodb::config::Builder::from(&shared).interceptor(super::attempts::CountErrors);
+    Ok(Client::from_conf(config.build()))
+}
+
+/// The AWS settings `connect` builds its client from, for the other AWS
+/// services keyfence calls (KMS) to be reached the same way.
+pub async fn sdk_config(settings: &KeyStoreSettings) -> Result<aws_config::SdkConfig, ConnectError> {
     let local = settings.local_endpoint();
     let retry =
         RetryConfig::standard().with_max_attempts(attempts(settings)?).with_initial_backoff(Duration::from_millis(25));
@@ -100,8 +108,7 @@ pub async fn connect(settings: &KeyStoreSettings) -> Result<Client, ConnectError
     if shared.region().is_none() {
         return Err(ConnectError::NoRegion);
     }
-    let config = aws_sdk_dynamodb::config::Builder::from(&shared).interceptor(super::attempts::CountErrors);
-    Ok(Client::from_conf(config.build()))
+    Ok(shared)
 }
 
 #[derive(Clone, Debug)]

@@ -30,7 +30,7 @@ use uuid::Uuid;
 use crate::domain::{Fence, Millis, Owner, RequestHash, ScopedKey, StoredResponse};
 
 pub use balance::{Balance, Concluded, Conclusion, Frozen, HeldBy, Hold, HoldEntry, HoldState, Holding};
-pub use dynamo::{ConnectError, DynamoKeyStore, connect};
+pub use dynamo::{ConnectError, DynamoKeyStore, connect, sdk_config};
 pub use error::{KeyStoreError, StoreFailure};
 pub use handoff::Handoff;
 pub use item::attr::{INFLIGHT as INDEX_PARTITION, LEASE_UNTIL as INDEX_SORT};

@@ -16,6 +16,11 @@ use crate::domain::Millis;
 /// The registry item's partition key.
 const REGISTRY_PK: &str = "control#regions";
 
+/// What begins the attribute a region advertises its URL in (`url#{region}`):
+/// one attribute per region, so a policy can let each region's instances
+/// write their own URL and nothing else of the registry.
+const URL_ATTRIBUTE: &str = "url#";
+
 /// Changes the registry item keeps in its history, newest last. Every
 /// change is also logged where it is made; older ones are dropped, so the
 /// item stays far below DynamoDB's 400 KB item limit however often regions
@@ -33,6 +38,8 @@ pub enum RegionsError {
     Malformed(String),
     #[error("other changes kept winning; try again")]
     Contended,
+    #[error("the region registry does not exist yet: `keyfence migrate` makes it")]
+    Missing,
     #[error("{0}")]
     Invalid(String),
 }
@@ -88,7 +95,7 @@ impl RegionStore {
                 return Err(RegionsError::Invalid(format!("{name} is longer than {TEXT_LIMIT} characters")));
             }
         }
-        self.create_if_missing().await?;
+        self.create().await?;
         for _ in 0..10 {
             let current = self.read().await?;
             if current.state_of(region) == state {
@@ -141,41 +148,39 @@ impl RegionStore {
         Err(RegionsError::Contended)
     }
 
-    /// Records where `region`'s front door answers. Not a change of state:
-    /// the epoch stays.
+    /// Records where `region`'s front door answers, in its own attribute
+    /// (the only one of the registry `serve` may write). Not a change of
+    /// state: the epoch stays. The registry must exist ([`Self::create`]).
     pub async fn advertise(&self, region: &str, url: &str) -> Result<(), RegionsError> {
-        self.create_if_missing().await?;
-        // A registry written before regions advertised has no map yet.
-        self.client
+        let sent = self
+            .client
             .update_item()
             .table_name(&self.table)
             .key("pk", AttributeValue::S(REGISTRY_PK.into()))
-            .update_expression("SET urls = if_not_exists(urls, :empty)")
-            .expression_attribute_values(":empty", AttributeValue::M(HashMap::new()))
-            .send()
-            .await
-            .map_err(store)?;
-        self.client
-            .update_item()
-            .table_name(&self.table)
-            .key("pk", AttributeValue::S(REGISTRY_PK.into()))
-            .update_expression("SET urls.#r = :url")
-            .expression_attribute_names("#r", region)
+            .update_expression("SET #url = :url")
+            .condition_expression("attribute_exists(pk)")
+            .expression_attribute_names("#url", format!("{URL_ATTRIBUTE}{region}"))
             .expression_attribute_values(":url", AttributeValue::S(url.into()))
             .send()
-            .await
-            .map_err(store)?;
-        Ok(())
+            .await;
+        match sent {
+            Ok(_) => Ok(()),
+            Err(e) if e.as_service_error().is_some_and(|e| e.code() == Some("ConditionalCheckFailedException")) => {
+                Err(RegionsError::Missing)
+            }
+            Err(e) => Err(store(e)),
+        }
     }
 
-    async fn create_if_missing(&self) -> Result<(), RegionsError> {
+    /// Makes the registry, with every region active, unless it exists:
+    /// `keyfence migrate`'s, and a first change's.
+    pub async fn create(&self) -> Result<(), RegionsError> {
         let empty: Attrs = HashMap::from([
             ("pk".to_owned(), AttributeValue::S(REGISTRY_PK.into())),
             ("kind".to_owned(), AttributeValue::S("registry".into())),
             ("epoch".to_owned(), n(0)),
             ("regions".to_owned(), AttributeValue::M(HashMap::new())),
             ("history".to_owned(), AttributeValue::L(Vec::new())),
-            ("urls".to_owned(), AttributeValue::M(HashMap::new())),
         ]);
         let put = self
             .client
@@ -225,7 +230,9 @@ fn decode(item: &Attrs) -> Result<Registry, RegionsError> {
         Some(AttributeValue::L(list)) => list.iter().map(decode_change).collect(),
         _ => Err(malformed("history")),
     }?;
-    let urls = match item.get("urls") {
+    // Where regions advertised before each had an attribute of its own: a
+    // map, which a region's own attribute overrides.
+    let mut urls: BTreeMap<String, String> = match item.get("urls") {
         None => BTreeMap::new(),
         Some(AttributeValue::M(map)) => map
             .iter()
@@ -233,6 +240,11 @@ fn decode(item: &Attrs) -> Result<Registry, RegionsError> {
             .collect::<Result<_, _>>()?,
         Some(_) => return Err(malformed("urls")),
     };
+    for (name, url) in item {
+        if let Some(region) = name.strip_prefix(URL_ATTRIBUTE) {
+            urls.insert(region.to_owned(), url.as_s().map_err(|_| malformed(name))?.clone());
+        }
+    }
     Ok(Registry { epoch: number(item, "epoch")?, regions, history, urls })
 }
 

@@ -19,6 +19,7 @@ pub mod deliveries;
 pub mod names;
 pub mod queue;
 pub mod schedule;
+pub mod sealing;
 pub mod send;
 mod settings;
 pub mod store;
@@ -31,8 +32,9 @@ use uuid::Uuid;
 use crate::domain::WebhookSecret;
 
 pub use names::Names;
+pub use sealing::{Sealer, SealingSettings};
 pub use settings::DeliverySettings;
-pub use store::{EndpointStore, WebhooksError};
+pub use store::{EndpointStore, Issued, WebhooksError};
 pub use target::TargetPolicy;
 
 /// The events a client may subscribe to.
@@ -85,7 +87,8 @@ pub struct Endpoint {
     pub events: Vec<String>,
     /// Milliseconds since the epoch.
     pub created_at: u64,
-    /// The secrets that sign, newest first; a previous one until its grace ends.
+    /// The secrets that sign, newest first, sealed ([`sealing`]); a
+    /// previous one until its grace ends.
     pub secrets: Vec<WebhookSecret>,
     /// Deliveries that used up their schedule since the last one that
     /// arrived: more than none flags the endpoint as failing.
@@ -132,11 +135,6 @@ impl Endpoint {
             (None, 0) => "enabled",
             (None, _) => "failing",
         }
-    }
-
-    /// The secrets that sign at `now`, newest first.
-    pub fn signing_secrets(&self, now: u64) -> Vec<&WebhookSecret> {
-        self.secrets.iter().filter(|s| s.signs_at(now)).collect()
     }
 }
 

@@ -4,7 +4,9 @@
 //! the condition that its version is unchanged (retried a few times when
 //! two changes meet), so no change is lost and nothing needs a transaction
 //! (the table may be multi-Region strongly consistent, which has none).
-//! Reading a client's endpoints is one strongly consistent read.
+//! Reading a client's endpoints is one strongly consistent read. Signing
+//! secrets are stored sealed ([`super::sealing`]): a new one is shown to
+//! its caller once, in the clear, and kept only sealed.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -14,6 +16,7 @@ use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::AttributeValue;
 use uuid::Uuid;
 
+use super::sealing::{SealError, Sealer, is_sealed};
 use super::{Disabled, Endpoint, MAX_ENDPOINTS};
 use crate::domain::WebhookSecret;
 use crate::domain::{ClientId, Millis};
@@ -39,6 +42,16 @@ pub enum WebhooksError {
     TooMany,
     #[error("the client's webhook endpoints kept changing meanwhile; try again")]
     Contended,
+    #[error("a webhook secret could not be sealed or opened: {0}")]
+    Sealing(#[from] SealError),
+}
+
+/// An endpoint given a new secret (registered, or its secret rotated), and
+/// that secret in the clear: shown to the caller this once, stored sealed.
+#[derive(Debug)]
+pub struct Issued {
+    pub endpoint: Endpoint,
+    pub secret: WebhookSecret,
 }
 
 /// A client's endpoints as read, with the version they were read at.
@@ -51,11 +64,29 @@ struct Read {
 pub struct EndpointStore {
     client: Client,
     table: String,
+    sealer: Sealer,
 }
 
 impl EndpointStore {
-    pub fn new(client: Client, table: impl Into<String>) -> Self {
-        Self { client, table: table.into() }
+    pub fn new(client: Client, table: impl Into<String>, sealer: Sealer) -> Self {
+        Self { client, table: table.into(), sealer }
+    }
+
+    /// The secrets of `endpoint` that sign at `now`, newest first, opened.
+    pub async fn signing_secrets(&self, endpoint: &Endpoint, now: u64) -> Result<Vec<WebhookSecret>, WebhooksError> {
+        let mut opened = Vec::new();
+        for secret in endpoint.secrets.iter().filter(|s| s.signs_at(now)) {
+            let value = self.sealer.open(&secret.value, &endpoint.id.to_string()).await?;
+            opened.push(WebhookSecret { value, ..secret.clone() });
+        }
+        Ok(opened)
+    }
+
+    /// A new secret for endpoint `id`, and it sealed for storing.
+    async fn issue(&self, id: Uuid, now: u64) -> Result<(WebhookSecret, WebhookSecret), WebhooksError> {
+        let fresh = WebhookSecret::generate(now);
+        let sealed = WebhookSecret { value: self.sealer.seal(&fresh.value, &id.to_string()).await?, ..fresh.clone() };
+        Ok((fresh, sealed))
     }
 
     /// The client's endpoints, oldest first.
@@ -64,14 +95,16 @@ impl EndpointStore {
     }
 
     /// Registers an endpoint (its URL already checked) with a new secret.
-    pub async fn add(&self, owner: ClientId, url: &str, events: Vec<String>) -> Result<Endpoint, WebhooksError> {
+    pub async fn add(&self, owner: ClientId, url: &str, events: Vec<String>) -> Result<Issued, WebhooksError> {
         let now = Millis::now().get();
+        let id = Uuid::now_v7();
+        let (secret, sealed) = self.issue(id, now).await?;
         let endpoint = Endpoint {
-            id: Uuid::now_v7(),
+            id,
             url: url.to_owned(),
             events,
             created_at: now,
-            secrets: vec![WebhookSecret::generate(now)],
+            secrets: vec![sealed],
             failed_deliveries: 0,
             disabled: None,
         };
@@ -83,7 +116,7 @@ impl EndpointStore {
             Ok(())
         })
         .await?;
-        Ok(endpoint)
+        Ok(Issued { endpoint, secret })
     }
 
     /// Removes endpoint `id` of the client.
@@ -99,18 +132,54 @@ impl EndpointStore {
     /// Gives endpoint `id` a new secret; the ones that signed until now go
     /// on signing for `grace` (a receiver that has not yet switched still
     /// verifies). Returns the endpoint, the new secret first.
-    pub async fn rotate(&self, owner: ClientId, id: Uuid, grace: Duration) -> Result<Endpoint, WebhooksError> {
+    pub async fn rotate(&self, owner: ClientId, id: Uuid, grace: Duration) -> Result<Issued, WebhooksError> {
         let now = Millis::now().get();
         let until = now.saturating_add(u64::try_from(grace.as_millis()).unwrap_or(u64::MAX));
-        let fresh = WebhookSecret::generate(now);
-        self.update(owner, id, |endpoint| {
-            endpoint.secrets.retain(|s| s.signs_at(now));
-            for secret in &mut endpoint.secrets {
-                secret.valid_until = Some(secret.valid_until.map_or(until, |at| at.min(until)));
+        let (secret, sealed) = self.issue(id, now).await?;
+        let endpoint = self
+            .update(owner, id, |endpoint| {
+                endpoint.secrets.retain(|s| s.signs_at(now));
+                for secret in &mut endpoint.secrets {
+                    secret.valid_until = Some(secret.valid_until.map_or(until, |at| at.min(until)));
+                }
+                endpoint.secrets.insert(0, sealed.clone());
+            })
+            .await?;
+        Ok(Issued { endpoint, secret })
+    }
+
+    /// Seals every secret still stored in the clear (kept from before
+    /// secrets were sealed), for `keyfence migrate`; returns how many.
+    pub async fn seal_in_clear(&self) -> Result<usize, WebhooksError> {
+        let mut sealed = 0;
+        for owner in self.owners().await? {
+            let mut now_sealed = 0;
+            let sealer = &self.sealer;
+            let mut fresh = Vec::new();
+            // Sealing is async and `change` edits synchronously: seal what
+            // the item holds first, then put the seals in on its version.
+            for endpoint in self.read(owner).await?.endpoints {
+                for secret in endpoint.secrets.iter().filter(|s| !is_sealed(&s.value)) {
+                    fresh.push((secret.value.clone(), sealer.seal(&secret.value, &endpoint.id.to_string()).await?));
+                }
             }
-            endpoint.secrets.insert(0, fresh.clone());
-        })
-        .await
+            if fresh.is_empty() {
+                continue;
+            }
+            self.change(owner, |endpoints| {
+                now_sealed = 0;
+                for secret in endpoints.iter_mut().flat_map(|e| e.secrets.iter_mut()) {
+                    if let Some((_, seal)) = fresh.iter().find(|(clear, _)| *clear == secret.value) {
+                        secret.value = seal.clone();
+                        now_sealed += 1;
+                    }
+                }
+                Ok(())
+            })
+            .await?;
+            sealed += now_sealed;
+        }
+        Ok(sealed)
     }
 
     /// Notes a delivery that used up its schedule: the endpoint is flagged
@@ -210,6 +279,33 @@ impl EndpointStore {
             }
         }
         Err(WebhooksError::Contended)
+    }
+
+    /// The clients that have an endpoints item, by one scan of the table.
+    async fn owners(&self) -> Result<Vec<ClientId>, WebhooksError> {
+        let mut owners = Vec::new();
+        let mut next = None;
+        loop {
+            let page = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .filter_expression("begins_with(pk, :item)")
+                .expression_attribute_values(":item", AttributeValue::S(ITEM.into()))
+                .projection_expression("pk")
+                .set_exclusive_start_key(next)
+                .send()
+                .await
+                .map_err(|e| WebhooksError::Store(StoreFailure::of(e)))?;
+            for item in page.items() {
+                let id = item.get("pk").and_then(|v| v.as_s().ok()).and_then(|pk| pk.strip_prefix(ITEM));
+                owners.extend(id.and_then(|id| id.parse::<ClientId>().ok()));
+            }
+            next = page.last_evaluated_key().cloned();
+            if next.is_none() {
+                return Ok(owners);
+            }
+        }
     }
 
     async fn read(&self, owner: ClientId) -> Result<Read, WebhooksError> {

@@ -333,8 +333,16 @@ impl Worker {
             "data": taken.payload,
         });
         let body = serde_json::to_vec(&body).unwrap_or_default();
-        let secrets = endpoint.signing_secrets(Millis::now().get());
-        let headers = signature::headers(&secrets, &taken.webhook_id, &body);
+        let secrets = match self.endpoints.signing_secrets(endpoint, Millis::now().get()).await {
+            Ok(secrets) => secrets,
+            Err(e) => {
+                // Ours to fix (the sealing key), not the receiver's: no attempt is spent.
+                tracing::error!(endpoint = %endpoint.id, error = %e, "could not open a webhook endpoint's secret");
+                let error = format!("the endpoint's secret could not be opened: {e}");
+                return (Outcome::NotSent { error, wait: NOT_SENT_WAIT }, FollowUp::None);
+            }
+        };
+        let headers = signature::headers(&secrets.iter().collect::<Vec<_>>(), &taken.webhook_id, &body);
         let response = self.sender.send(&endpoint.url, headers, body).await;
         let result = match &response {
             Response::Accepted(_) => "delivered",

@@ -227,6 +227,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         webhooks_allow_private: true,
         webhooks_resolver: None,
         webhook_delivery: test_delivery(),
+        webhook_sealing: Default::default(),
         inbox_interval_ms: 200,
         rail_secrets: Some(RailSecrets::new(
             [("e1", RAIL_NOTIFY_SECRET), ("e2", RAIL_NOTIFY_SECRET)].map(|(r, s)| (r.to_owned(), s.to_owned())).into(),
@@ -393,6 +394,13 @@ impl TestApp {
     /// The client directory every region reads.
     pub fn clients(&self) -> ClientStore {
         ClientStore::new(self.keys.store.client().clone(), self.keys.store.table())
+    }
+
+    /// The webhook endpoints, sealed and opened with the key `serve` uses
+    /// here (the development key of a local key table).
+    pub async fn endpoints(&self) -> keyfence::webhooks::EndpointStore {
+        let sealer = keyfence::webhooks::Sealer::new(&Default::default(), &self.keys.settings).await.unwrap();
+        keyfence::webhooks::EndpointStore::new(self.keys.store.client().clone(), self.keys.store.table(), sealer)
     }
 
     /// The client this app's API key belongs to.

@@ -32,6 +32,8 @@ impl TestKeys {
         keystore::ensure_table(&client, &settings.table)
             .await
             .unwrap_or_else(|e| panic!("creating a test table (is the emulator running? scripts/test starts it): {e}"));
+        // What `keyfence migrate` makes beside the table.
+        keyfence::regions::RegionStore::new(client.clone(), settings.table.clone()).create().await.unwrap();
         Self { store: DynamoKeyStore::new(client, settings.table.clone()), settings }
     }
 }

@@ -4,6 +4,7 @@
 
 mod answer_limit;
 mod app;
+mod aws_calls;
 mod batch;
 mod chaos;
 mod cli;
@@ -67,6 +68,7 @@ mod region_auth;
 mod regions;
 mod rotation;
 #[cfg(feature = "failpoints")]
+mod sealed_secrets;
 mod seams;
 mod seeds;
 mod store_errors;

@@ -7,20 +7,17 @@
 //! took the key lets nobody in.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aws_sdk_dynamodb::types::{AttributeValue, PutRequest, WriteRequest};
-use axum::body::Bytes;
-use axum::extract::{Request, State};
-use axum::response::Response;
 use futures::StreamExt;
 use keyfence::clients::{CACHE_FOR, ClientsError};
 use keyfence::domain::{ApiKey, ClientId};
 use reqwest::StatusCode;
 use serde_json::Value;
 
-use crate::app::{TestApp, TestRail, payment, spawn_app};
+use crate::app::{TestApp, payment, spawn_app};
+use crate::aws_calls::{operations, recording_proxy};
 use crate::process::keyfence_command;
 
 async fn cli(app: &TestApp, endpoint: Option<&str>, args: &[&str]) -> String {
@@ -68,36 +65,6 @@ async fn a_rotated_key_keeps_the_clients_history_and_the_old_one_works_through_i
     assert!(listed[0]["valid_until"].is_u64() && listed[1]["valid_until"].is_null(), "{listed:?}");
 }
 
-/// DynamoDB operations a proxy passed on, by name (`GetItem`, `Scan`, ...).
-pub type Seen = Arc<Mutex<Vec<String>>>;
-
-/// An HTTP proxy in front of DynamoDB that records each operation.
-pub async fn counting_proxy(upstream: String) -> (TestRail, Seen) {
-    let seen: Seen = Arc::default();
-    async fn forward(State((upstream, seen)): State<(String, Seen)>, request: Request) -> Response {
-        let (parts, body) = request.into_parts();
-        let target = parts.headers.get("x-amz-target").and_then(|v| v.to_str().ok()).unwrap_or("?");
-        seen.lock().unwrap().push(target.rsplit('.').next().unwrap_or(target).to_owned());
-        let body: Bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
-        let mut sent = reqwest::Client::new().request(parts.method, format!("{upstream}{}", parts.uri));
-        for (name, value) in &parts.headers {
-            if name != "host" && name != "content-length" {
-                sent = sent.header(name, value);
-            }
-        }
-        let answer = sent.body(body).send().await.unwrap();
-        let mut response = Response::builder().status(answer.status().as_u16());
-        for (name, value) in answer.headers() {
-            if name != "content-length" && name != "transfer-encoding" {
-                response = response.header(name.as_str(), value.as_bytes());
-            }
-        }
-        response.body(axum::body::Body::from(answer.bytes().await.unwrap())).unwrap()
-    }
-    let router = axum::Router::new().fallback(forward).with_state((upstream, seen.clone()));
-    (TestRail::serving(router).await, seen)
-}
-
 /// Puts `count` idempotency-key items of `client` into the table.
 async fn fill(app: &TestApp, client: ClientId, count: usize) {
     let dynamo = app.keys.store.client().clone();
@@ -136,22 +103,22 @@ async fn revoking_and_listing_read_only_the_clients_items_among_20000_keys() {
     fill(&app, client, 20_000).await;
     let (other, other_key) = app.add_client().await;
     let endpoint = app.keys.settings.aws_endpoint_url.clone().unwrap();
-    let (proxy, seen) = counting_proxy(endpoint).await;
+    let (proxy, calls) = recording_proxy(endpoint).await;
     let through = Some(proxy.url.as_str());
 
     let listed: Value = serde_json::from_str(&cli(&app, through, &["clients", "list", "--json"]).await).unwrap();
     assert_eq!(listed.as_array().unwrap().len(), 2);
-    let listing = std::mem::take(&mut *seen.lock().unwrap());
+    let listing = operations(&calls);
     assert!(listing.iter().all(|op| op == "Query" || op == "BatchGetItem"), "listing: {listing:?}");
     assert!(listing.len() <= 2, "listing: {listing:?}");
 
     let key_id = ApiKey::presented(&app.api_key).digest()[..12].to_owned();
     cli(&app, through, &["clients", "revoke", "--id", &client.to_string(), "--key", &key_id]).await;
-    let one_key = std::mem::take(&mut *seen.lock().unwrap());
+    let one_key = operations(&calls);
     // The record read and changed, then the change log read and written.
     assert_eq!(one_key, ["GetItem", "UpdateItem", "GetItem", "PutItem"], "revoking a key");
     cli(&app, through, &["clients", "revoke", "--id", &other.to_string()]).await;
-    let a_client = std::mem::take(&mut *seen.lock().unwrap());
+    let a_client = operations(&calls);
     assert_eq!(a_client, ["UpdateItem", "GetItem", "PutItem"], "revoking a client");
 
     app.clock.advance(CACHE_FOR);

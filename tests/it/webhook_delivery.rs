@@ -252,8 +252,9 @@ async fn a_receiver_down_for_a_while_gets_everything_at_the_pace_it_asks_for() {
 
 /// The secret of the app's one endpoint, read from the key table.
 async fn receiver_secret(app: &TestApp) -> String {
-    let store = keyfence::webhooks::EndpointStore::new(app.keys.store.client().clone(), app.keys.store.table());
-    store.list(app.client_id().await).await.unwrap()[0].secrets[0].value.clone()
+    let store = app.endpoints().await;
+    let endpoint = store.list(app.client_id().await).await.unwrap().remove(0);
+    store.signing_secrets(&endpoint, keyfence::domain::Millis::now().get()).await.unwrap().remove(0).value
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,7 +453,7 @@ async fn an_endpoint_hears_what_came_after_it_and_once_enabled_what_came_while_d
     let delivered: Vec<Value> = receiver.arrivals("late").await.into_iter().filter_map(|a| a.data).collect();
     assert_eq!(delivered[0]["end_to_end_id"], "E2E-AFTER", "not the one written before the endpoint");
 
-    let store = keyfence::webhooks::EndpointStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    let store = app.endpoints().await;
     let client = app.client_id().await;
     store.disable(client, endpoint, "an operator's test").await.unwrap();
     assert_eq!(app.pay("while-disabled", &payment("E2E-WHILE")).await.status(), StatusCode::CREATED);

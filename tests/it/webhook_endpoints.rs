@@ -123,10 +123,11 @@ async fn an_operator_adds_rotates_and_removes_an_endpoint_from_the_cli() {
     assert!(out.status.success());
     let rotated: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_ne!(rotated["secret"], added["secret"]);
-    let store = keyfence::webhooks::EndpointStore::new(app.keys.store.client().clone(), app.keys.store.table());
+    let store = app.endpoints().await;
     let endpoint = store.list(app.client_id().await).await.unwrap().remove(0);
     let now = keyfence::domain::Millis::now().get();
-    let signing: Vec<&str> = endpoint.secrets.iter().filter(|s| s.signs_at(now)).map(|s| s.value.as_str()).collect();
+    let opened = store.signing_secrets(&endpoint, now).await.unwrap();
+    let signing: Vec<&str> = opened.iter().map(|s| s.value.as_str()).collect();
     assert_eq!(
         signing,
         [rotated["secret"].as_str().unwrap(), added["secret"].as_str().unwrap()],
