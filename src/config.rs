@@ -338,9 +338,15 @@ pub struct ServeSettings {
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "KEYFENCE_BODY_LIMIT", default_value_t = 16 * 1024)]
     pub body_limit: usize,
-    /// Time a client has to send a request's headers, and the longest an idle keep-alive connection stays open (ms).
+    /// Time a client has to send a request's headers, from their first byte (a new connection's
+    /// first request: from opening), in milliseconds.
     #[arg(long = "header-timeout-ms", env = "KEYFENCE_HEADER_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
     pub header_timeout: Duration,
+    /// The longest a keep-alive connection stays open idle between requests, in milliseconds:
+    /// longer than the idle timeout of the load balancer in front (AWS ALB: 60 s), so it is the
+    /// load balancer that closes an idle connection, never keyfence under it.
+    #[arg(long = "idle-timeout-ms", env = "KEYFENCE_IDLE_TIMEOUT_MS", default_value = "75000", value_parser = parse_millis)]
+    pub idle_timeout: Duration,
     /// Time a client has to send a request's whole body, in milliseconds (past it: 408).
     #[arg(long = "body-timeout-ms", env = "KEYFENCE_BODY_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
     pub body_timeout: Duration,

@@ -2,7 +2,8 @@
 //! DynamoDB's own time-to-live does this on ordinary tables, lazily; a
 //! global table with multi-Region strong consistency has none, so keyfence
 //! expires keys itself: `keyfence maintain --expire`, or inside `serve` on
-//! an interval. Claims already treat an item past `expires_at` as absent,
+//! an interval, where one instance at a time sweeps (the one leading the
+//! job, [`Leader`]: the table is global, and one sweep covers it). Claims already treat an item past `expires_at` as absent,
 //! so the sweeper only reclaims space; it is safe beside traffic because
 //! each delete is conditioned on the item still being finished and expired
 //! (an item claimed again meanwhile is a new request, and is left alone),
@@ -17,7 +18,7 @@ use tokio::time::{Interval, MissedTickBehavior};
 
 use crate::domain::Millis;
 use crate::engine::Engine;
-use crate::keystore::KeyStore;
+use crate::keystore::{KeyStore, Leader};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
@@ -121,19 +122,45 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
     engine: Arc<Engine<K>>,
     interval: Duration,
     options: Options,
+    leader: Leader,
     mut stop: watch::Receiver<()>,
 ) {
+    let term = leader_term(interval);
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             () = tokio::time::sleep(interval) => {}
         }
+        match leader.lead(engine.clock().now(), term).await {
+            Ok(true) => {}
+            Ok(false) => {
+                metrics::counter!("keyfence_expiry_sweeps_total", "outcome" => "led_elsewhere").increment(1);
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not take the expiry sweep's lease; no sweep this round");
+                metrics::counter!("keyfence_expiry_sweeps_total", "outcome" => "failed").increment(1);
+                continue;
+            }
+        }
         let report = sweep(engine.keys(), engine.clock().now(), options, &Silent).await;
+        let outcome = if report.failures.is_empty() { "swept" } else { "failed" };
+        metrics::counter!("keyfence_expiry_sweeps_total", "outcome" => outcome).increment(1);
+        metrics::counter!("keyfence_expiry_deleted_total").increment(report.deleted as u64);
         if report.deleted > 0 || !report.failures.is_empty() {
             tracing::info!(deleted = report.deleted, failures = report.failures.len(), "expiry sweep");
         }
     }
 }
+
+/// How long one lead of the sweep lasts: three rounds, and at least
+/// [`LEADER_TERM_LEAST`], so a leader busy with a long sweep keeps it.
+pub fn leader_term(interval: Duration) -> Duration {
+    (interval * 3).max(LEADER_TERM_LEAST)
+}
+
+/// The shortest lead of the sweep.
+pub const LEADER_TERM_LEAST: Duration = Duration::from_secs(30);
 
 struct Silent;
 

@@ -24,6 +24,8 @@
 //! | `keyfence_holds_exceeded_total` | | holds on a balance that did not fit (a refund over what is left: 422) |
 //! | `keyfence_orphaned_holds_released_total` | | holds whose request was gone, given back when a later hold needed the room |
 //! | `keyfence_recovery_sweeps_total`, `keyfence_recovery_outcomes_total` | `outcome` | sweeps (`completed`, `failed`), and what became of each key found |
+//! | `keyfence_expiry_sweeps_total` | `outcome` | rounds of `serve`'s expiry sweeper: `swept`, `led_elsewhere` (another instance leads the sweep), `failed` |
+//! | `keyfence_expiry_deleted_total` | | expired keys its sweeps deleted |
 //! | `keyfence_indeterminate_requests`, `keyfence_indeterminate_oldest_seconds` | | the region's external calls marked indeterminate, and the age of the oldest request among them, at the last sweep (gauges) |
 //! | `keyfence_region_declared_failed` | `region` | 1 while that region is declared failed (a gauge) |
 //! | `keyfence_key_store_seconds` | `op` | latency of each key-store operation |
@@ -104,6 +106,11 @@ fn describe() {
         "Holds whose request was gone, released when the room was needed"
     );
     describe_counter!("keyfence_recovery_sweeps_total", "Recovery sweeps, completed or failed (some key not resumed)");
+    describe_counter!(
+        "keyfence_expiry_sweeps_total",
+        "Rounds of the expiry sweeper: swept, led elsewhere (another instance sweeps), or failed"
+    );
+    describe_counter!("keyfence_expiry_deleted_total", "Expired keys the expiry sweeper deleted");
     describe_counter!("keyfence_recovery_outcomes_total", "What recovery sweeps did with each stale key, by outcome");
     describe_gauge!(
         "keyfence_indeterminate_requests",

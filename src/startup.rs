@@ -16,7 +16,7 @@ use crate::config::{EngineConfig, ServeSettings};
 use crate::engine::{Engine, EngineSettings, Rails};
 use crate::http::{AppState, PeerInboxes, Peers, Throttle, admin_router, router, server};
 use crate::keystore::KeyStoreSettings;
-use crate::keystore::{self, DynamoKeyStore, KeyStore, KeyStoreError, TableChange};
+use crate::keystore::{self, DynamoKeyStore, KeyStore, KeyStoreError, Leader, TableChange};
 use crate::ledger::LedgerSettings;
 use crate::ledger::partitions::{self, Partitioning};
 use crate::ledger::{Ledger, LedgerError, MigrationReport};
@@ -68,6 +68,9 @@ pub struct MigrateOptions {
     pub create_table: bool,
     /// Delete the older layout's client items once copied.
     pub drop_older_clients: bool,
+    /// Seal the webhook secrets older versions kept in the clear (once no
+    /// instance of such a version runs: it cannot sign with a sealed one).
+    pub seal_webhook_secrets: bool,
 }
 
 /// What `keyfence migrate` did to each store.
@@ -83,8 +86,8 @@ pub struct Migrated {
     /// What became of clients of the key table's older layout.
     pub older_clients: crate::clients::Carried,
     /// Webhook secrets stored in the clear (from before secrets were
-    /// sealed) now sealed; `None` where no sealing key is set.
-    pub webhook_secrets_sealed: Option<usize>,
+    /// sealed): sealed, or left so.
+    pub webhook_secrets: webhooks::InClear,
 }
 
 /// Creates the key table if missing and brings the ledger schema up to date.
@@ -114,15 +117,15 @@ pub async fn migrate(
         table_notes = check.notes;
     }
     RegionStore::new(client.clone(), keys.table.clone()).create().await?;
-    let webhook_secrets_sealed = match Sealer::new(sealing, keys).await {
-        Ok(sealer) => Some(EndpointStore::new(client.clone(), keys.table.clone(), sealer).seal_in_clear().await?),
-        Err(webhooks::sealing::SealError::NoKey) => None,
-        Err(e) => return Err(e.into()),
+    // Without a key, secrets in the clear are counted, not sealed.
+    let sealer = match Sealer::new(sealing, keys).await {
+        Err(webhooks::sealing::SealError::NoKey) if !options.seal_webhook_secrets => Sealer::unavailable(),
+        made => made?,
     };
     let drop_older_clients = options.drop_older_clients;
     let (regional, ledger) = Ledger::migrate(ledger).await?;
     // Clients used to live in each ledger; they are global now.
-    let directory = ClientStore::new(client, keys.table.clone());
+    let directory = ClientStore::new(client.clone(), keys.table.clone());
     let older_clients = directory.migrate_legacy(drop_older_clients).await?;
     let mut clients_copied = 0;
     for legacy in regional.legacy_clients().await? {
@@ -136,7 +139,9 @@ pub async fn migrate(
         directory.put(record, &legacy.digest).await?;
         clients_copied += 1;
     }
-    Ok(Migrated { table, table_notes, ledger, clients_copied, older_clients, webhook_secrets_sealed })
+    let webhook_secrets =
+        EndpointStore::new(client, keys.table.clone(), sealer).seal_in_clear(options.seal_webhook_secrets).await?;
+    Ok(Migrated { table, table_notes, ledger, clients_copied, older_clients, webhook_secrets })
 }
 
 /// The engine over the configured stores and rails.
@@ -290,6 +295,7 @@ impl Application {
         }
         let limits = server::Limits {
             header_read: settings.header_timeout,
+            idle: settings.idle_timeout,
             body_read: settings.body_timeout,
             max_connections: settings.max_connections,
             per_address: settings.max_connections_per_address,
@@ -358,7 +364,9 @@ impl Application {
             .recovery_interval
             .map(|every| tokio::spawn(recovery::run_until_stopped(self.engine.clone(), every, stopped.clone())));
         let reaper = self.expiry.map(|(every, options)| {
-            tokio::spawn(expiry::run_until_stopped(self.engine.clone(), every, options, stopped.clone()))
+            let keys = self.engine.keys();
+            let leader = Leader::new(keys.client().clone(), keys.table(), "expiry", self.engine.instance());
+            tokio::spawn(expiry::run_until_stopped(self.engine.clone(), every, options, leader, stopped.clone()))
         });
         let courier =
             self.webhooks.map(|(every, worker)| tokio::spawn(worker.run_until_stopped(every, stopped.clone())));

@@ -8,7 +8,7 @@
 # in the registry (one attribute, named by the role's `keyfence-region` tag:
 # tag each region's serve role with its KEYFENCE_REGION). A compromised
 # front door cannot declare a region failed, mint a client, or delete a
-# balance.
+# balance item.
 # sre: `keyfence regions`, `recover`, `reconcile`, `maintain`; no client, no
 # endpoint, no secret.
 # security: `keyfence clients`, `accounts`, `webhooks`; no idempotency key,
@@ -93,6 +93,23 @@ data "aws_iam_policy_document" "serve" {
     }
   }
 
+  # One instance at a time sweeps expired keys: the one holding this lease.
+  statement {
+    sid       = "LeadTheExpirySweep"
+    effect    = "Allow"
+    actions = [
+      "dynamodb:PutItem",
+    ]
+    resources = [local.table_arn]
+    condition {
+      test     = "ForAllValues:StringLike"
+      variable = "dynamodb:LeadingKeys"
+      values = [
+        "control#leader#*",
+      ]
+    }
+  }
+
   # Clients register and remove their own endpoints through the API; the secrets are sealed.
   statement {
     sid       = "KeepWebhookEndpoints"
@@ -130,6 +147,12 @@ data "aws_iam_policy_document" "serve" {
       test     = "ForAllValues:StringEquals"
       variable = "dynamodb:Attributes"
       values   = ["pk", "url#$${aws:PrincipalTag/keyfence-region}"]
+    }
+    # The URL itself: never an update that touches nothing (it would make a bare registry).
+    condition {
+      test     = "ForAnyValue:StringEquals"
+      variable = "dynamodb:Attributes"
+      values   = ["url#$${aws:PrincipalTag/keyfence-region}"]
     }
     condition {
       test     = "Null"
@@ -225,7 +248,6 @@ data "aws_iam_policy_document" "sre" {
     sid       = "DeclareRegions"
     effect    = "Allow"
     actions = [
-      "dynamodb:PutItem",
       "dynamodb:UpdateItem",
     ]
     resources = [local.table_arn]
@@ -354,7 +376,7 @@ data "aws_iam_policy_document" "migration" {
     sid       = "MakeTheRegistry"
     effect    = "Allow"
     actions = [
-      "dynamodb:PutItem",
+      "dynamodb:UpdateItem",
     ]
     resources = [local.table_arn]
     condition {

@@ -40,6 +40,10 @@ pub struct MigrateArgs {
     /// The key webhook secrets kept in the clear (from before they were sealed) are sealed with.
     #[command(flatten)]
     sealing: SealingSettings,
+    /// Seal the webhook secrets older versions kept in the clear: only once every region's
+    /// instances run this version (an older one cannot sign with a sealed secret).
+    #[arg(long = "seal-webhook-secrets")]
+    seal_webhook_secrets: bool,
     /// Delete the older layout's client items once copied: only when every region runs this version.
     #[arg(long = "drop-older-clients")]
     drop_older_clients: bool,
@@ -53,7 +57,11 @@ pub struct MigrateArgs {
 }
 
 pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
-    let options = MigrateOptions { create_table: args.create_table, drop_older_clients: args.drop_older_clients };
+    let options = MigrateOptions {
+        create_table: args.create_table,
+        drop_older_clients: args.drop_older_clients,
+        seal_webhook_secrets: args.seal_webhook_secrets,
+    };
     let done = startup::migrate(&args.keys, &args.ledger, &args.sealing, options)
         .await
         .with_context(|| format!("migrating table {} and ledger {}", args.keys.table, args.ledger.database_url))?;
@@ -78,7 +86,11 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                 "dropped": done.older_clients.dropped,
                 "revocations": done.older_clients.revocations,
             },
-            "webhook_secrets_sealed": done.webhook_secrets_sealed,
+            "webhook_secrets": {
+                "sealed": done.webhook_secrets.sealed,
+                "left_in_clear": done.webhook_secrets.left,
+                "clients_failed": done.webhook_secrets.failed,
+            },
         });
         println!("{report}");
     } else {
@@ -113,14 +125,22 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         if done.clients_copied > 0 {
             println!("{} client(s) of this ledger are in the key table now (clients are global)", done.clients_copied);
         }
-        match done.webhook_secrets_sealed {
-            Some(0) => {}
-            Some(sealed) => println!("{sealed} webhook secret(s) kept in the clear are sealed now"),
-            None => println!(
-                "webhook secrets kept in the clear (if any) are not sealed: set KEYFENCE_WEBHOOK_KMS_KEY or \
-                 KEYFENCE_WEBHOOK_SEALING_KEY_FILE and migrate again"
-            ),
+        let secrets = done.webhook_secrets;
+        if secrets.sealed > 0 {
+            println!("{} webhook secret(s) kept in the clear are sealed now", secrets.sealed);
         }
+        if secrets.left > 0 {
+            println!(
+                "{} webhook secret(s) are kept in the clear by an older version; once every region runs this one: \
+                 keyfence migrate --seal-webhook-secrets",
+                secrets.left
+            );
+        }
+        anyhow::ensure!(
+            secrets.failed == 0,
+            "the webhook secrets of {} client(s) could not be read or sealed (the log says why); run migrate again",
+            secrets.failed
+        );
     }
     Ok(())
 }

@@ -29,8 +29,8 @@ pub use store::{ClientStore, ClientsError, KeyRecord};
 
 /// Partition-key prefixes of the items only an operator's CLI writes
 /// (client records, key pointers, and the older layout's client and
-/// profile items): the serving role is denied writing them
-/// (`infra/key-table.cfn.yaml`).
+/// profile items): only the security and migration roles may write them
+/// (`infra/key-table.cfn.yaml`; `tests/it/policies.rs` checks every role).
 pub const OPERATOR_ONLY: [&str; 3] = [store::RECORD_SPACE, legacy::CLIENT, legacy::PROFILE];
 
 /// How long the directory is trusted without a successful read of the
@@ -54,12 +54,27 @@ pub struct ClientRecord {
 mod tests {
     use super::OPERATOR_ONLY;
 
+    /// The item kinds a policy lets its role write (`ForAllValues:StringLike`
+    /// on the partition key), as prefixes.
+    fn writable(policy: &str) -> Vec<String> {
+        let all: serde_json::Value = serde_json::from_str(include_str!("../../infra/key-table.policies.json")).unwrap();
+        let statements = all[format!("{{table}}-{policy}")]["statements"].as_object().unwrap().clone();
+        statements
+            .values()
+            .filter(|st| st["effect"] == "Allow")
+            .filter_map(|st| st["conditions"]["ForAllValues:StringLike dynamodb:LeadingKeys"].as_array().cloned())
+            .flatten()
+            .map(|pattern| pattern.as_str().unwrap().trim_end_matches('*').to_owned())
+            .collect()
+    }
+
     #[test]
-    fn the_serving_role_is_denied_writing_every_operator_only_item() {
-        let template = include_str!("../../infra/key-table.cfn.yaml");
-        let denied = template.split("NeverWriteClientsKeysOrAccounts").nth(1).expect("the serving role's deny");
+    fn only_security_and_migration_may_write_the_operator_only_items() {
         for prefix in OPERATOR_ONLY {
-            assert!(denied.contains(&format!("\"{prefix}*\"")), "{prefix} is not denied to serve");
+            let covers = |policy: &str| writable(policy).iter().any(|kind| prefix.starts_with(kind.as_str()));
+            assert!(!covers("serve") && !covers("sre"), "{prefix} is writable by serve or SREs");
+            assert!(covers("migration"), "{prefix} is not carried by migrate");
         }
+        assert!(writable("security").iter().any(|kind| OPERATOR_ONLY[0].starts_with(kind.as_str())));
     }
 }

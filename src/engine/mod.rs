@@ -129,6 +129,11 @@ impl<K> Engine<K> {
         &self.settings.region
     }
 
+    /// The name this instance holds leases under.
+    pub fn instance(&self) -> &str {
+        &self.settings.instance
+    }
+
     /// How long finished keys are kept.
     pub fn retention(&self) -> Retention {
         self.settings.retention

@@ -15,6 +15,7 @@ mod peers;
 mod probes;
 mod problem;
 mod rail_events;
+mod read_deadline;
 mod refunds;
 pub mod server;
 mod signed;

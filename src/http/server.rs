@@ -1,7 +1,8 @@
 //! Serving a router over TCP with limits a slow or hostile client cannot
-//! get around: a request's headers must arrive within `header_read` (and a
-//! keep-alive connection sitting idle between requests is closed after the
-//! same time), in at most [`MAX_HEADERS`] headers and [`MAX_HEAD_BYTES`]
+//! get around: a request's headers must arrive within `header_read` of
+//! their first byte (a new connection's within `header_read` of opening;
+//! a keep-alive connection sitting idle between requests is closed after
+//! `idle`, a clock of its own: [`ReadDeadline`]), in at most [`MAX_HEADERS`] headers and [`MAX_HEAD_BYTES`]
 //! bytes (else 431), its body within `body_read` (else 408); at most
 //! `max_connections` connections are served at once (further ones wait in
 //! the listen backlog until one closes) and at most `per_address` from one
@@ -40,6 +41,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 
+use super::read_deadline::{Phase, ReadDeadline, ReadExpired};
 use super::write_deadline::WriteDeadline;
 use crate::domain::Shares;
 
@@ -52,7 +54,10 @@ pub const MAX_HEAD_BYTES: usize = 16 * 1024;
 /// What one client may take of the server.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
+    /// How long a request's head may take from its first byte.
     pub header_read: Duration,
+    /// How long a keep-alive connection may sit idle between requests.
+    pub idle: Duration,
     pub body_read: Duration,
     pub max_connections: usize,
     pub per_address: usize,
@@ -91,7 +96,8 @@ pub async fn serve(
     let mut connections = JoinSet::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read)
+        // Heads and idle connections are bounded by `ReadDeadline`.
+        .header_read_timeout(None)
         .keep_alive(true)
         .max_headers(MAX_HEADERS)
         .max_buf_size(MAX_HEAD_BYTES);
@@ -125,18 +131,26 @@ pub async fn serve(
         let served = Arc::new(AtomicU32::new(0));
         let opened = tokio::time::Instant::now();
         let counted = served.clone();
-        // Past either limit, the answer closes the connection behind it.
-        let service = tower::ServiceExt::<axum::extract::Request<hyper::body::Incoming>>::map_response(
+        let phase = Arc::new(Phase::default());
+        let (answering, answered) = (phase.clone(), phase.clone());
+        let service = tower::ServiceExt::map_request(
             router.clone(),
-            move |mut response: axum::response::Response| {
-                let count = counted.fetch_add(1, Ordering::Relaxed) + 1;
-                if count >= limits.requests_per_connection || opened.elapsed() >= limits.max_age {
-                    response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
-                }
-                response
+            move |request: axum::extract::Request<hyper::body::Incoming>| {
+                answering.answering();
+                request
             },
         );
-        let stream = WriteDeadline::new(stream, limits.write_stall);
+        // Past either limit, the answer closes the connection behind it.
+        let service = tower::ServiceExt::map_response(service, move |mut response: axum::response::Response| {
+            let count = counted.fetch_add(1, Ordering::Relaxed) + 1;
+            if count >= limits.requests_per_connection || opened.elapsed() >= limits.max_age {
+                response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            answered.answered();
+            response
+        });
+        let stream =
+            ReadDeadline::new(WriteDeadline::new(stream, limits.write_stall), limits.header_read, limits.idle, phase);
         let connection = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
         let mut stopping = stopping.clone();
         connections.spawn(async move {
@@ -183,8 +197,9 @@ pub async fn serve(
 fn stalled(error: &hyper::Error) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
     while let Some(e) = cause {
-        if e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut) {
-            return true;
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            let read = io.get_ref().is_some_and(|inner| inner.is::<ReadExpired>());
+            return io.kind() == std::io::ErrorKind::TimedOut && !read;
         }
         cause = e.source();
     }

@@ -27,6 +27,9 @@ const URL_ATTRIBUTE: &str = "url#";
 /// change state.
 pub const HISTORY_KEPT: usize = 64;
 
+/// Longest URL a region may advertise, in bytes.
+const URL_LIMIT: usize = 2048;
+
 /// Longest `by` and `reason` a change records, in characters.
 pub const TEXT_LIMIT: usize = 500;
 
@@ -69,6 +72,12 @@ impl RegionStore {
 
     /// The registry as it stands (an empty one if never written).
     pub async fn read(&self) -> Result<Registry, RegionsError> {
+        Ok(self.read_whole().await?.0)
+    }
+
+    /// The registry, and the attributes of URLs that do not read as one
+    /// (which a change removes).
+    async fn read_whole(&self) -> Result<(Registry, Vec<String>), RegionsError> {
         metrics::counter!("keyfence_registry_reads_total").increment(1);
         let out = self
             .client
@@ -79,7 +88,7 @@ impl RegionStore {
             .send()
             .await
             .map_err(store)?;
-        out.item().map(decode).transpose().map(Option::unwrap_or_default)
+        Ok(out.item().map(decode).transpose()?.unwrap_or_default())
     }
 
     /// Moves `region` to `state`, recording who and why.
@@ -97,7 +106,7 @@ impl RegionStore {
         }
         self.create().await?;
         for _ in 0..10 {
-            let current = self.read().await?;
+            let (current, unreadable) = self.read_whole().await?;
             if current.state_of(region) == state {
                 return Ok(Changed::AlreadySo(current.regions.get(region).cloned()));
             }
@@ -113,14 +122,22 @@ impl RegionStore {
             let kept = current.history.len().saturating_sub(HISTORY_KEPT - 1);
             let history: Vec<AttributeValue> =
                 current.history[kept..].iter().chain([&change]).map(encode_change).collect();
+            // A URL that does not read as one goes with the change.
+            let mut update = "SET epoch = :next, regions.#r = :change, history = :history".to_owned();
+            let mut names = HashMap::from([("#r".to_owned(), region.to_owned())]);
+            for (i, name) in unreadable.iter().enumerate() {
+                update.push_str(if i == 0 { " REMOVE " } else { ", " });
+                update.push_str(&format!("#u{i}"));
+                names.insert(format!("#u{i}"), name.clone());
+            }
             let sent = self
                 .client
                 .update_item()
                 .table_name(&self.table)
                 .key("pk", AttributeValue::S(REGISTRY_PK.into()))
-                .update_expression("SET epoch = :next, regions.#r = :change, history = :history")
+                .update_expression(update)
                 .condition_expression("epoch = :seen")
-                .expression_attribute_names("#r", region)
+                .set_expression_attribute_names(Some(names))
                 .expression_attribute_values(":next", n(change.epoch))
                 .expression_attribute_values(":seen", n(current.epoch))
                 .expression_attribute_values(":change", encode_change(&change))
@@ -172,31 +189,26 @@ impl RegionStore {
         }
     }
 
-    /// Makes the registry, with every region active, unless it exists:
-    /// `keyfence migrate`'s, and a first change's.
+    /// Makes the registry, with every region active, unless it exists (or
+    /// completes one that lacks its parts): `keyfence migrate`'s, and a
+    /// first change's.
     pub async fn create(&self) -> Result<(), RegionsError> {
-        let empty: Attrs = HashMap::from([
-            ("pk".to_owned(), AttributeValue::S(REGISTRY_PK.into())),
-            ("kind".to_owned(), AttributeValue::S("registry".into())),
-            ("epoch".to_owned(), n(0)),
-            ("regions".to_owned(), AttributeValue::M(HashMap::new())),
-            ("history".to_owned(), AttributeValue::L(Vec::new())),
-        ]);
-        let put = self
-            .client
-            .put_item()
+        self.client
+            .update_item()
             .table_name(&self.table)
-            .set_item(Some(empty))
-            .condition_expression("attribute_not_exists(pk)")
+            .key("pk", AttributeValue::S(REGISTRY_PK.into()))
+            .update_expression(
+                "SET kind = :kind, epoch = if_not_exists(epoch, :zero), regions = if_not_exists(regions, :none), \
+                 history = if_not_exists(history, :empty)",
+            )
+            .expression_attribute_values(":kind", AttributeValue::S("registry".into()))
+            .expression_attribute_values(":zero", n(0))
+            .expression_attribute_values(":none", AttributeValue::M(HashMap::new()))
+            .expression_attribute_values(":empty", AttributeValue::L(Vec::new()))
             .send()
-            .await;
-        match put {
-            Ok(_) => Ok(()),
-            Err(e) if e.as_service_error().is_some_and(|e| e.code() == Some("ConditionalCheckFailedException")) => {
-                Ok(())
-            }
-            Err(e) => Err(store(e)),
-        }
+            .await
+            .map_err(store)?;
+        Ok(())
     }
 }
 
@@ -219,14 +231,22 @@ fn encode_change(c: &Change) -> AttributeValue {
     ]))
 }
 
-fn decode(item: &Attrs) -> Result<Registry, RegionsError> {
+/// The registry an item holds, and the names of its URL attributes that do
+/// not read as a URL. Each region's instances may write their own URL
+/// attribute, and nothing else of the item (its policy says so): such an
+/// attribute is skipped rather than making the whole registry unreadable.
+fn decode(item: &Attrs) -> Result<(Registry, Vec<String>), RegionsError> {
+    // Parts the item lacks (made by a URL written before `migrate` made
+    // the registry) are empty.
     let regions = match item.get("regions") {
+        None => Ok(BTreeMap::new()),
         Some(AttributeValue::M(map)) => {
             map.values().map(decode_change).map(|c| c.map(|c| (c.region.clone(), c))).collect()
         }
         _ => Err(malformed("regions")),
     }?;
     let history = match item.get("history") {
+        None => Ok(Vec::new()),
         Some(AttributeValue::L(list)) => list.iter().map(decode_change).collect(),
         _ => Err(malformed("history")),
     }?;
@@ -240,12 +260,21 @@ fn decode(item: &Attrs) -> Result<Registry, RegionsError> {
             .collect::<Result<_, _>>()?,
         Some(_) => return Err(malformed("urls")),
     };
+    let mut unreadable = Vec::new();
     for (name, url) in item {
-        if let Some(region) = name.strip_prefix(URL_ATTRIBUTE) {
-            urls.insert(region.to_owned(), url.as_s().map_err(|_| malformed(name))?.clone());
+        let Some(region) = name.strip_prefix(URL_ATTRIBUTE) else { continue };
+        match url.as_s() {
+            Ok(url) if url.len() <= URL_LIMIT => {
+                urls.insert(region.to_owned(), url.clone());
+            }
+            _ => {
+                tracing::warn!(attribute = name, "a region's URL in the registry does not read as one; skipped");
+                unreadable.push(name.clone());
+            }
         }
     }
-    Ok(Registry { epoch: number(item, "epoch")?, regions, history, urls })
+    let epoch = if item.contains_key("epoch") { number(item, "epoch")? } else { 0 };
+    Ok((Registry { epoch, regions, history, urls }, unreadable))
 }
 
 fn decode_change(value: &AttributeValue) -> Result<Change, RegionsError> {

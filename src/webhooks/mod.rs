@@ -34,7 +34,7 @@ use crate::domain::WebhookSecret;
 pub use names::Names;
 pub use sealing::{Sealer, SealingSettings};
 pub use settings::DeliverySettings;
-pub use store::{EndpointStore, Issued, WebhooksError};
+pub use store::{EndpointStore, InClear, Issued, WebhooksError};
 pub use target::TargetPolicy;
 
 /// The events a client may subscribe to.

@@ -1,6 +1,7 @@
 //! Webhook signing secrets sealed at rest. An endpoint's secret is stored
-//! encrypted (AES-256-GCM, its endpoint's id as associated data, so a
-//! sealed secret moved to another endpoint does not open), under either
+//! encrypted (AES-256-GCM, with what it is sealed for as associated data:
+//! its client and endpoint, so a sealed secret moved to another endpoint or
+//! client does not open), under either
 //! - a data key from AWS KMS (envelope encryption): the key table holds the
 //!   data key as KMS wrapped it, under the encryption context
 //!   `purpose=keyfence-webhook-secrets`, so a role without `kms:Decrypt` on
@@ -170,22 +171,21 @@ impl Sealer {
         Self { how: Arc::new(How::Unavailable) }
     }
 
-    /// `secret` sealed for the endpoint `endpoint`.
-    pub async fn seal(&self, secret: &str, endpoint: &str) -> Result<String, SealError> {
+    /// `secret` sealed for `context` (what it belongs to).
+    pub async fn seal(&self, secret: &str, context: &str) -> Result<String, SealError> {
         let (kind, label, sealed) = match &*self.how {
-            How::Local { key, id } => ("local", id.clone(), seal_with(key, secret, endpoint)?),
+            How::Local { key, id } => ("local", id.clone(), seal_with(key, secret, context)?),
             How::Kms(kms) => {
                 let (wrapped, key) = kms.sealing_key().await?;
-                ("kms", URL_SAFE_NO_PAD.encode(wrapped), seal_with(&key, secret, endpoint)?)
+                ("kms", URL_SAFE_NO_PAD.encode(wrapped), seal_with(&key, secret, context)?)
             }
             How::Unavailable => return Err(SealError::NoKey),
         };
         Ok(format!("{SEALED}.{kind}.{label}.{sealed}"))
     }
 
-    /// The secret `stored` holds for the endpoint `endpoint`: opened if
-    /// sealed, as it is if stored before secrets were sealed.
-    pub async fn open(&self, stored: &str, endpoint: &str) -> Result<String, SealError> {
+    /// The secret `stored` holds for `context` (what it was sealed for): opened if sealed, as it is if stored before secrets were sealed.
+    pub async fn open(&self, stored: &str, context: &str) -> Result<String, SealError> {
         if !is_sealed(stored) {
             metrics::counter!("keyfence_webhook_secrets_in_clear_total").increment(1);
             return Ok(stored.to_owned());
@@ -194,11 +194,11 @@ impl Sealer {
         let [_, kind, label, sealed] = parts[..] else { return Err(SealError::Malformed) };
         let sealed = URL_SAFE_NO_PAD.decode(sealed).map_err(|_| SealError::Malformed)?;
         match (&*self.how, kind) {
-            (How::Local { key, id }, "local") if id == label => open_with(key, sealed, endpoint),
+            (How::Local { key, id }, "local") if id == label => open_with(key, sealed, context),
             (How::Kms(kms), "kms") => {
                 let wrapped = URL_SAFE_NO_PAD.decode(label).map_err(|_| SealError::Malformed)?;
                 let key = kms.opening_key(wrapped).await?;
-                open_with(&key, sealed, endpoint)
+                open_with(&key, sealed, context)
             }
             (How::Unavailable, _) => Err(SealError::NoKey),
             (_, "local") => Err(SealError::OtherKey(format!("local key {label}"))),
@@ -223,23 +223,23 @@ fn aes_key(bytes: &[u8]) -> LessSafeKey {
 }
 
 /// The random nonce, then the ciphertext and its tag, in base64.
-fn seal_with(key: &LessSafeKey, secret: &str, endpoint: &str) -> Result<String, SealError> {
+fn seal_with(key: &LessSafeKey, secret: &str, context: &str) -> Result<String, SealError> {
     let mut nonce = [0u8; NONCE_LEN];
     SystemRandom::new().fill(&mut nonce).map_err(|_| SealError::Random)?;
     let mut sealed = secret.as_bytes().to_vec();
-    key.seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(endpoint.as_bytes()), &mut sealed)
+    key.seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(context.as_bytes()), &mut sealed)
         .map_err(|_| SealError::Random)?;
     Ok(URL_SAFE_NO_PAD.encode([&nonce[..], &sealed].concat()))
 }
 
-fn open_with(key: &LessSafeKey, sealed: Vec<u8>, endpoint: &str) -> Result<String, SealError> {
+fn open_with(key: &LessSafeKey, sealed: Vec<u8>, context: &str) -> Result<String, SealError> {
     if sealed.len() < NONCE_LEN {
         return Err(SealError::Malformed);
     }
     let (nonce, rest) = sealed.split_at(NONCE_LEN);
     let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(|_| SealError::Malformed)?;
     let mut rest = rest.to_vec();
-    let open = key.open_in_place(nonce, Aad::from(endpoint.as_bytes()), &mut rest).map_err(|_| SealError::Altered)?;
+    let open = key.open_in_place(nonce, Aad::from(context.as_bytes()), &mut rest).map_err(|_| SealError::Altered)?;
     String::from_utf8(open.to_vec()).map_err(|_| SealError::Altered)
 }
 
@@ -262,6 +262,9 @@ impl Kms {
         let (Some(plain), Some(wrapped)) = (made.plaintext(), made.ciphertext_blob()) else {
             return Err(SealError::Kms("GenerateDataKey answered without a key".into()));
         };
+        if plain.as_ref().len() != 32 {
+            return Err(SealError::Kms("GenerateDataKey answered with a key that is not 256 bits".into()));
+        }
         let key = Arc::new(aes_key(plain.as_ref()));
         let wrapped = wrapped.as_ref().to_vec();
         self.opened.insert(wrapped.clone(), key.clone());

@@ -46,6 +46,17 @@ pub enum WebhooksError {
     Sealing(#[from] SealError),
 }
 
+/// Webhook secrets found in the clear by [`EndpointStore::seal_in_clear`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct InClear {
+    /// Sealed by this run.
+    pub sealed: usize,
+    /// Left in the clear (not asked to seal, or changed meanwhile).
+    pub left: usize,
+    /// Clients whose endpoints could not be read or written.
+    pub failed: usize,
+}
+
 /// An endpoint given a new secret (registered, or its secret rotated), and
 /// that secret in the clear: shown to the caller this once, stored sealed.
 #[derive(Debug)]
@@ -72,21 +83,32 @@ impl EndpointStore {
         Self { client, table: table.into(), sealer }
     }
 
-    /// The secrets of `endpoint` that sign at `now`, newest first, opened.
-    pub async fn signing_secrets(&self, endpoint: &Endpoint, now: u64) -> Result<Vec<WebhookSecret>, WebhooksError> {
+    /// The secrets of `owner`'s `endpoint` that sign at `now`, newest
+    /// first, opened.
+    pub async fn signing_secrets(
+        &self,
+        owner: ClientId,
+        endpoint: &Endpoint,
+        now: u64,
+    ) -> Result<Vec<WebhookSecret>, WebhooksError> {
         let mut opened = Vec::new();
         for secret in endpoint.secrets.iter().filter(|s| s.signs_at(now)) {
-            let value = self.sealer.open(&secret.value, &endpoint.id.to_string()).await?;
+            let value = self.sealer.open(&secret.value, &sealed_for(owner, endpoint.id)).await?;
             opened.push(WebhookSecret { value, ..secret.clone() });
         }
         Ok(opened)
     }
 
-    /// A new secret for endpoint `id`, and it sealed for storing.
-    async fn issue(&self, id: Uuid, now: u64) -> Result<(WebhookSecret, WebhookSecret), WebhooksError> {
+    /// A new secret for `owner`'s endpoint `id`, and it sealed for storing.
+    async fn issue(
+        &self,
+        owner: ClientId,
+        id: Uuid,
+        now: u64,
+    ) -> Result<(WebhookSecret, WebhookSecret), WebhooksError> {
         let fresh = WebhookSecret::generate(now);
-        let sealed = WebhookSecret { value: self.sealer.seal(&fresh.value, &id.to_string()).await?, ..fresh.clone() };
-        Ok((fresh, sealed))
+        let sealed = self.sealer.seal(&fresh.value, &sealed_for(owner, id)).await?;
+        Ok((fresh.clone(), WebhookSecret { value: sealed, ..fresh }))
     }
 
     /// The client's endpoints, oldest first.
@@ -98,7 +120,7 @@ impl EndpointStore {
     pub async fn add(&self, owner: ClientId, url: &str, events: Vec<String>) -> Result<Issued, WebhooksError> {
         let now = Millis::now().get();
         let id = Uuid::now_v7();
-        let (secret, sealed) = self.issue(id, now).await?;
+        let (secret, sealed) = self.issue(owner, id, now).await?;
         let endpoint = Endpoint {
             id,
             url: url.to_owned(),
@@ -135,7 +157,7 @@ impl EndpointStore {
     pub async fn rotate(&self, owner: ClientId, id: Uuid, grace: Duration) -> Result<Issued, WebhooksError> {
         let now = Millis::now().get();
         let until = now.saturating_add(u64::try_from(grace.as_millis()).unwrap_or(u64::MAX));
-        let (secret, sealed) = self.issue(id, now).await?;
+        let (secret, sealed) = self.issue(owner, id, now).await?;
         let endpoint = self
             .update(owner, id, |endpoint| {
                 endpoint.secrets.retain(|s| s.signs_at(now));
@@ -148,38 +170,66 @@ impl EndpointStore {
         Ok(Issued { endpoint, secret })
     }
 
-    /// Seals every secret still stored in the clear (kept from before
-    /// secrets were sealed), for `keyfence migrate`; returns how many.
-    pub async fn seal_in_clear(&self) -> Result<usize, WebhooksError> {
-        let mut sealed = 0;
+    /// The secrets still stored in the clear (kept by a version from
+    /// before secrets were sealed), sealed when `seal` (for `keyfence
+    /// migrate --seal-webhook-secrets`, once no instance of such a version
+    /// runs: it could not sign with a sealed one), else counted. A client
+    /// whose item cannot be read or written is logged and counted, and the
+    /// others are sealed all the same.
+    pub async fn seal_in_clear(&self, seal: bool) -> Result<InClear, WebhooksError> {
+        let mut found = InClear::default();
         for owner in self.owners().await? {
-            let mut now_sealed = 0;
-            let sealer = &self.sealer;
-            let mut fresh = Vec::new();
-            // Sealing is async and `change` edits synchronously: seal what
-            // the item holds first, then put the seals in on its version.
-            for endpoint in self.read(owner).await?.endpoints {
-                for secret in endpoint.secrets.iter().filter(|s| !is_sealed(&s.value)) {
-                    fresh.push((secret.value.clone(), sealer.seal(&secret.value, &endpoint.id.to_string()).await?));
+            match self.seal_client(owner, seal).await {
+                Ok((clear, sealed)) => {
+                    found.sealed += sealed;
+                    found.left += clear - sealed;
+                }
+                Err(e) => {
+                    tracing::warn!(client = %owner, error = %e, "could not seal a client's webhook secrets");
+                    found.failed += 1;
                 }
             }
-            if fresh.is_empty() {
-                continue;
+        }
+        Ok(found)
+    }
+
+    /// How many of `owner`'s secrets are in the clear, and how many of
+    /// them this sealed.
+    async fn seal_client(&self, owner: ClientId, seal: bool) -> Result<(usize, usize), WebhooksError> {
+        // Sealing is async and `change` edits synchronously: seal what the
+        // item holds first, then put the seals in on its version (a secret
+        // changed meanwhile is left for the next run).
+        let mut fresh = Vec::new();
+        for endpoint in self.read(owner).await?.endpoints {
+            for secret in endpoint.secrets.iter().filter(|s| !is_sealed(&s.value)) {
+                let sealed = if seal {
+                    Some(self.sealer.seal(&secret.value, &sealed_for(owner, endpoint.id)).await?)
+                } else {
+                    None
+                };
+                fresh.push((endpoint.id, secret.value.clone(), sealed));
             }
-            self.change(owner, |endpoints| {
-                now_sealed = 0;
-                for secret in endpoints.iter_mut().flat_map(|e| e.secrets.iter_mut()) {
-                    if let Some((_, seal)) = fresh.iter().find(|(clear, _)| *clear == secret.value) {
+        }
+        let clear = fresh.len();
+        if !seal || clear == 0 {
+            return Ok((clear, 0));
+        }
+        let mut sealed = 0;
+        self.change(owner, |endpoints| {
+            sealed = 0;
+            for endpoint in endpoints.iter_mut() {
+                for secret in &mut endpoint.secrets {
+                    let seal = fresh.iter().find(|(id, value, _)| *id == endpoint.id && *value == secret.value);
+                    if let Some((_, _, Some(seal))) = seal {
                         secret.value = seal.clone();
-                        now_sealed += 1;
+                        sealed += 1;
                     }
                 }
-                Ok(())
-            })
-            .await?;
-            sealed += now_sealed;
-        }
-        Ok(sealed)
+            }
+            Ok(())
+        })
+        .await?;
+        Ok((clear, sealed))
     }
 
     /// Notes a delivery that used up its schedule: the endpoint is flagged
@@ -321,6 +371,13 @@ impl EndpointStore {
         let Some(item) = out.item() else { return Ok(Read { endpoints: Vec::new(), version: None }) };
         decode(item)
     }
+}
+
+/// What a secret is sealed for: its client and endpoint, so a sealed
+/// secret copied to another endpoint, or to another client's item, does
+/// not open.
+fn sealed_for(owner: ClientId, endpoint: Uuid) -> String {
+    format!("{owner}/{endpoint}")
 }
 
 fn pk(owner: ClientId) -> String {

@@ -333,7 +333,7 @@ impl Worker {
             "data": taken.payload,
         });
         let body = serde_json::to_vec(&body).unwrap_or_default();
-        let secrets = match self.endpoints.signing_secrets(endpoint, Millis::now().get()).await {
+        let secrets = match self.endpoints.signing_secrets(taken.client(), endpoint, Millis::now().get()).await {
             Ok(secrets) => secrets,
             Err(e) => {
                 // Ours to fix (the sealing key), not the receiver's: no attempt is spent.

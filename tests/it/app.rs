@@ -215,6 +215,7 @@ pub async fn spawn_app_on(e1: TestRail, e2: TestRail, adjust: impl FnOnce(&mut S
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         body_limit: 16 * 1024,
         header_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(75),
         body_timeout: Duration::from_secs(10),
         max_connections: 1024,
         max_connections_per_address: 1024,

@@ -3,7 +3,9 @@
 //! the stores; connections are capped per address and in age and requests,
 //! so clients trickling tiny requests cannot keep an honest one out; writes
 //! have a time limit, so clients that never read cannot either, nor hold up
-//! a shutdown; and a request head past the header limits is refused with 431.
+//! a shutdown; a request head past the header limits is refused with 431;
+//! and a keep-alive connection idle between requests outlasts the head
+//! clock (a load balancer in front finds it open) until its own.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -275,4 +277,44 @@ async fn a_connection_past_its_age_and_drain_is_dropped_whatever_it_is_doing() {
     let ended = opened.elapsed();
     assert!(ended >= Duration::from_millis(1900), "not before its age and drain: {ended:?}");
     assert_eq!(app.count("requests").await, 0, "nothing was done");
+}
+
+/// A keep-alive connection idle between requests stays open past the head
+/// clock (a load balancer reusing it must find it open) and closes after
+/// its own idle clock; a head begun after idling still has only the head
+/// clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_outlasts_the_header_timeout_but_not_its_own() {
+    let app = spawn_app_with(|s| {
+        s.header_timeout = Duration::from_millis(500);
+        s.idle_timeout = Duration::from_secs(3);
+    })
+    .await;
+    let host = app.url.trim_start_matches("http://").to_owned();
+    let get = format!("GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    let mut chunk = [0_u8; 4096];
+    let mut stream = TcpStream::connect(&host).await.unwrap();
+    for round in 0..2 {
+        stream.write_all(get.as_bytes()).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk)).await.unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&chunk[..n]).starts_with("HTTP/1.1 200"), "round {round}: closed while idle");
+        // Three head clocks of idling.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    // Idle 1.5 s of 3; a head begins and stalls: cut at the head clock.
+    stream.write_all(b"GET /healthz HTTP/1.1\r\n").await.unwrap();
+    let begun = Instant::now();
+    let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk)).await.unwrap().unwrap_or(0);
+    assert_eq!(n, 0, "{}", String::from_utf8_lossy(&chunk[..n]));
+    assert!(begun.elapsed() < Duration::from_millis(1400), "cut after {:?}, not by the head clock", begun.elapsed());
+
+    let mut idle = TcpStream::connect(&host).await.unwrap();
+    idle.write_all(get.as_bytes()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), idle.read(&mut chunk)).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&chunk[..n]).starts_with("HTTP/1.1 200"));
+    let answered = Instant::now();
+    let n = tokio::time::timeout(Duration::from_secs(10), idle.read(&mut chunk)).await.unwrap().unwrap_or(0);
+    assert_eq!(n, 0);
+    let lasted = answered.elapsed();
+    assert!(lasted >= Duration::from_millis(2500) && lasted < Duration::from_secs(6), "idle for {lasted:?}, of 3 s");
 }

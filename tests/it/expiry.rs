@@ -3,7 +3,7 @@
 //! --expire` deletes finished keys past their retention and its grace, and
 //! touches nothing else, neither a key still within them nor one in flight.
 //! A request refused by its checks is never worked through a key that
-//! expires under it.
+//! expires under it. Inside `serve`, one instance at a time sweeps.
 
 use std::time::Duration;
 
@@ -13,7 +13,9 @@ use keyfence::keystore::{KeyState, KeyStore};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::app::{TestApp, payment, spawn_app_with};
+use crate::app::{TestApp, payment, spawn_app_with, start_serving};
+use crate::aws_calls::{Calls, recording_proxy};
+use crate::harness::eventually;
 use crate::process::keyfence_command;
 
 /// Moves `key`'s `expires_at` back to `ago` before now.
@@ -146,4 +148,35 @@ async fn a_refused_request_never_claims_a_key_that_expires_under_it() {
     theirs["debtor_account"] = json!(VICTIM);
     let paid = app.try_pay_at(&serve.url, &victim_key, "theirs-1", &theirs).await.unwrap();
     assert_eq!(paid.status(), StatusCode::CREATED);
+}
+
+/// Every instance may run the sweeper; one at a time sweeps (the holder of
+/// its lease), and another takes over once the leader stops and its lease
+/// runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_instance_at_a_time_sweeps_and_another_takes_over_when_it_stops() {
+    let app = spawn_app_with(|_| {}).await;
+    let emulator = app.keys.settings.aws_endpoint_url.clone().unwrap();
+    let instance = |name: &str, endpoint: &str| {
+        let mut settings = app.settings.clone();
+        settings.engine.work.instance = name.into();
+        settings.engine.keys.aws_endpoint_url = Some(endpoint.into());
+        settings.expire_interval_ms = 100;
+        settings
+    };
+    let (through_a, calls_a) = recording_proxy(emulator.clone()).await;
+    let (through_b, calls_b) = recording_proxy(emulator).await;
+    let a = start_serving(&instance("sweeper-a", &through_a.url)).await;
+    let b = start_serving(&instance("sweeper-b", &through_b.url)).await;
+    let scans = |calls: &Calls| calls.lock().unwrap().iter().filter(|c| c.action == "dynamodb:Scan").count();
+    eventually("five sweeps", async || scans(&calls_a) + scans(&calls_b) >= 5).await;
+    let (by_a, by_b) = (scans(&calls_a), scans(&calls_b));
+    assert!(by_a == 0 || by_b == 0, "both swept: {by_a} and {by_b} sweeps");
+
+    let (leader, other) = if by_a > 0 { (a, &calls_b) } else { (b, &calls_a) };
+    leader.stop.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(scans(other), 0, "taken over while the lease ran");
+    app.clock.advance(keyfence::expiry::LEADER_TERM_LEAST);
+    eventually("the other instance sweeps", async || scans(other) > 0).await;
 }

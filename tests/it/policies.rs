@@ -38,13 +38,14 @@ const CLIENT: &str = "0191d1a0-0000-7000-8000-000000000001";
 
 /// The kinds of item a write is to, by the partition key's beginning (the
 /// idempotency keys, which begin with their client's id, are the rest).
-const KINDS: [&str; 9] = [
+const KINDS: [&str; 10] = [
     "control#clients#",
     "control#client#",
     "control#profile#",
     "control#webhooks#client#",
     "control#balance#",
     "control#handoff#",
+    "control#leader#",
     "control#regions",
     "control#",
     "",
@@ -69,6 +70,7 @@ fn needs(duty: &str) -> Vec<Need> {
             &[
                 ("dynamodb:UpdateItem", Some("control#balance#")),
                 ("dynamodb:PutItem", Some("control#handoff#")),
+                ("dynamodb:PutItem", Some("control#leader#")),
                 ("dynamodb:PutItem", Some("control#webhooks#client#")),
                 // Its own URL only: see the registry's own checks below.
                 ("dynamodb:UpdateItem", Some("control#regions")),
@@ -82,7 +84,6 @@ fn needs(duty: &str) -> Vec<Need> {
                 ("dynamodb:UpdateItem", Some("control#balance#")),
                 ("dynamodb:PutItem", Some("control#handoff#")),
                 ("dynamodb:DeleteItem", Some("control#handoff#")),
-                ("dynamodb:PutItem", Some("control#regions")),
                 ("dynamodb:UpdateItem", Some("control#regions")),
             ],
         ]
@@ -101,7 +102,7 @@ fn needs(duty: &str) -> Vec<Need> {
                 .flat_map(|k| ["dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem"].map(|a| (a, Some(*k))))
                 .collect();
             needs.extend([
-                ("dynamodb:PutItem", Some("control#regions")),
+                ("dynamodb:UpdateItem", Some("control#regions")),
                 ("dynamodb:CreateTable", None),
                 ("dynamodb:UpdateTimeToLive", None),
                 ("kms:GenerateDataKey", None),
@@ -138,7 +139,9 @@ impl Asked {
             if let Some(purpose) = body["EncryptionContext"]["purpose"].as_str() {
                 context.insert("kms:EncryptionContext:purpose", vec![purpose.to_owned()]);
             }
-            format!("arn:aws:kms:{AWS_REGION}:{ACCOUNT}:key/{kms_key}")
+            // The key the call names (a key id, as keyfence is given it).
+            let key = body["KeyId"].as_str().unwrap_or(kms_key);
+            format!("arn:aws:kms:{AWS_REGION}:{ACCOUNT}:key/{key}")
         } else {
             let keys: Vec<String> = match call.action.as_str() {
                 "dynamodb:PutItem" => pk(&body["Item"]).into_iter().collect(),
@@ -287,6 +290,7 @@ fn holds(test: &str, key: &str, values: &[Value], asked: &Asked, tag: Option<&st
     match test {
         "Null" => present.is_none() == (values == ["true"]),
         "StringEquals" => present.is_some_and(|p| p.iter().any(|x| values.contains(x))),
+        "ForAnyValue:StringEquals" => present.unwrap_or_default().iter().any(|x| values.contains(x)),
         "ForAllValues:StringEquals" => present.unwrap_or_default().iter().all(|x| values.contains(x)),
         "ForAllValues:StringLike" => present.unwrap_or_default().iter().all(|x| values.iter().any(|v| like(v, x))),
         "ForAllValues:StringNotLike" => present.unwrap_or_default().iter().all(|x| !values.iter().any(|v| like(v, x))),
@@ -375,6 +379,8 @@ fn each_role_may_write_what_its_duty_needs_and_nothing_else() {
     assert!(allowed(&serve, &url(REGION), Some(REGION)));
     assert!(!allowed(&serve, &url("test-2"), Some(REGION)), "another region's URL");
     assert!(!allowed(&serve, &url(REGION), None), "a serve role without its region's tag");
+    let bare = Asked::of_need(advertise, table, kms_key, &["pk"]);
+    assert!(!allowed(&serve, &bare, Some(REGION)), "an update that writes no URL (a bare registry)");
     let declare = Asked::of_need(advertise, table, kms_key, &["pk", "epoch", "regions", "history"]);
     assert!(!allowed(&serve, &declare, Some(REGION)), "a region's state");
     // Secrets open for serve only; data keys of anything else for nobody.

@@ -350,3 +350,64 @@ async fn the_registry_keeps_its_last_changes_and_bounded_reasons() {
     assert!(refused.is_err(), "an overlong reason is refused");
     assert_eq!(store.read().await.unwrap().epoch, changes as u64, "and changes nothing");
 }
+
+/// Sets attribute `name` of the registry item to `value`, as whoever may
+/// write it could.
+async fn set_in_registry(app: &TestApp, name: &str, value: aws_sdk_dynamodb::types::AttributeValue) {
+    app.keys
+        .store
+        .client()
+        .update_item()
+        .table_name(app.keys.store.table())
+        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S("control#regions".into()))
+        .update_expression("SET #name = :value")
+        .expression_attribute_names("#name", name)
+        .expression_attribute_values(":value", value)
+        .send()
+        .await
+        .unwrap();
+}
+
+/// The registry item as the table holds it, if any.
+async fn registry_item(
+    app: &TestApp,
+) -> Option<std::collections::HashMap<String, aws_sdk_dynamodb::types::AttributeValue>> {
+    let key = aws_sdk_dynamodb::types::AttributeValue::S("control#regions".into());
+    let got = app.keys.store.client().get_item().table_name(app.keys.store.table()).key("pk", key).send().await;
+    got.unwrap().item().cloned()
+}
+
+/// What one region's instances may write of the registry (their own URL
+/// attribute) cannot make the registry unreadable: a URL that is not one
+/// is skipped, and the next change removes it; a registry item made bare
+/// is completed by `migrate`.
+#[tokio::test]
+async fn a_regions_own_url_attribute_cannot_stop_the_registry_being_read_or_changed() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let app = spawn_app().await;
+    let registry = store(&app);
+    registry.advertise("eu-1", "https://eu-1.example").await.unwrap();
+    set_in_registry(&app, "url#eu-2", AttributeValue::N("1".into())).await;
+    let read = registry.read().await.unwrap();
+    assert_eq!(read.urls.get("eu-1").map(String::as_str), Some("https://eu-1.example"));
+    assert!(!read.urls.contains_key("eu-2"), "{:?}", read.urls);
+    set_in_registry(&app, "url#eu-2", AttributeValue::S("x".repeat(300_000))).await;
+    let (failed, _) = regions::declare(&registry, None, "eu-2", RegionState::Failed, "sre", "drill").await.unwrap();
+    assert!(matches!(failed, Changed::Made(_)), "{failed:?}");
+    assert!(!registry_item(&app).await.unwrap().contains_key("url#eu-2"), "the change removed what is not a URL");
+    assert!(registry.read().await.unwrap().is_failed("eu-2"));
+
+    // A URL written where no registry was makes a bare item; migrate completes it.
+    let bare = spawn_app().await;
+    let bare_store = store(&bare);
+    let key = AttributeValue::S("control#regions".into());
+    bare.keys.store.client().delete_item().table_name(bare.keys.store.table()).key("pk", key).send().await.unwrap();
+    assert!(matches!(bare_store.advertise("eu-1", "https://eu-1.example").await, Err(regions::RegionsError::Missing)));
+    set_in_registry(&bare, "url#eu-1", AttributeValue::S("https://eu-1.example".into())).await;
+    assert_eq!(registry_item(&bare).await.unwrap().len(), 2, "a bare item: its key and the URL");
+    assert_eq!(bare_store.read().await.unwrap().epoch, 0, "a bare registry reads as an empty one");
+    bare_store.create().await.unwrap();
+    let (made, _) = regions::declare(&bare_store, None, "eu-1", RegionState::Failed, "sre", "drill").await.unwrap();
+    assert!(matches!(made, Changed::Made(ref c) if c.epoch == 1), "{made:?}");
+    assert_eq!(bare_store.read().await.unwrap().urls["eu-1"], "https://eu-1.example", "its URL kept");
+}

@@ -1,14 +1,18 @@
 //! Webhook signing secrets are kept sealed in the key table: reading the
-//! table gives nobody a secret. A secret kept in the clear by an older
-//! version still signs, and `keyfence migrate` seals it. With an AWS KMS
+//! table gives nobody a secret, and a sealed secret copied into another
+//! client's item does not open. A secret kept in the clear by an older
+//! version still signs; `keyfence migrate` counts it, and seals it when
+//! asked (once no older version runs). With an AWS KMS
 //! key, secrets are sealed under data keys only KMS opens (the emulator's
 //! KMS here): with KMS out of reach, an instance that has not opened the
 //! data key yet opens nothing.
 
+use std::collections::HashMap;
+
 use aws_sdk_dynamodb::types::AttributeValue;
-use keyfence::domain::{Millis, WebhookSecret};
+use keyfence::domain::{ClientId, Millis, WebhookSecret};
 use keyfence::webhooks::sealing::SealError;
-use keyfence::webhooks::{Sealer, SealingSettings};
+use keyfence::webhooks::{Sealer, SealingSettings, WebhooksError};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -17,7 +21,11 @@ use crate::process::keyfence_command;
 
 /// The client's endpoints item as the table holds it.
 async fn stored(app: &TestApp) -> String {
-    let pk = format!("control#webhooks#client#{}", app.client_id().await);
+    stored_for(app, app.client_id().await).await
+}
+
+async fn stored_for(app: &TestApp, client: ClientId) -> String {
+    let pk = format!("control#webhooks#client#{client}");
     let out = app
         .keys
         .store
@@ -32,26 +40,26 @@ async fn stored(app: &TestApp) -> String {
     out.item().unwrap()["endpoints"].as_s().unwrap().clone()
 }
 
-/// Writes the endpoints item back with `endpoints` as its text.
-async fn overwrite(app: &TestApp, endpoints: &str) {
-    let pk = format!("control#webhooks#client#{}", app.client_id().await);
-    let dynamo = app.keys.store.client();
-    let table = app.keys.store.table();
-    let item = dynamo.get_item().table_name(table).key("pk", AttributeValue::S(pk)).send().await.unwrap();
-    let mut item = item.item().unwrap().clone();
-    item.insert("endpoints".into(), AttributeValue::S(endpoints.into()));
-    dynamo.put_item().table_name(table).set_item(Some(item)).send().await.unwrap();
+/// Writes `client`'s endpoints item with `endpoints` as its text.
+async fn overwrite(app: &TestApp, client: ClientId, endpoints: &str) {
+    let item = HashMap::from([
+        ("pk".to_owned(), AttributeValue::S(format!("control#webhooks#client#{client}"))),
+        ("endpoints".to_owned(), AttributeValue::S(endpoints.into())),
+        ("version".to_owned(), AttributeValue::N("100".into())),
+    ]);
+    app.keys.store.client().put_item().table_name(app.keys.store.table()).set_item(Some(item)).send().await.unwrap();
 }
 
 /// The secrets that sign for the app's one endpoint, opened.
 async fn signing(app: &TestApp) -> Vec<String> {
     let store = app.endpoints().await;
-    let endpoint = store.list(app.client_id().await).await.unwrap().remove(0);
-    store.signing_secrets(&endpoint, Millis::now().get()).await.unwrap().into_iter().map(|s| s.value).collect()
+    let client = app.client_id().await;
+    let endpoint = store.list(client).await.unwrap().remove(0);
+    store.signing_secrets(client, &endpoint, Millis::now().get()).await.unwrap().into_iter().map(|s| s.value).collect()
 }
 
-async fn migrate(app: &TestApp) -> String {
-    let out = keyfence_command(app, "migrate").output().await.unwrap();
+async fn migrate(app: &TestApp, args: &[&str]) -> String {
+    let out = keyfence_command(app, "migrate").args(args).output().await.unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
@@ -78,20 +86,33 @@ async fn a_secret_is_stored_sealed_and_one_kept_in_the_clear_is_sealed_by_migrat
         "the sealed secret opens to the one the client was shown"
     );
 
+    // Copied into another client's item (by whoever may write endpoints),
+    // it does not open there.
+    let (other, _) = app.add_client().await;
+    overwrite(&app, other, &kept).await;
+    let store = app.endpoints().await;
+    let copied = store.list(other).await.unwrap().remove(0);
+    let opened = store.signing_secrets(other, &copied, Millis::now().get()).await;
+    assert!(matches!(opened, Err(WebhooksError::Sealing(SealError::Altered))), "{opened:?}");
+    assert!(stored_for(&app, other).await.contains("kfsealed1.local."));
+
     // As an older version kept it: in the clear.
     let older = WebhookSecret::generate(Millis::now().get()).value;
     let mut endpoints: Value = serde_json::from_str(&kept).unwrap();
     endpoints[0]["secrets"][0]["value"] = older.clone().into();
-    overwrite(&app, &endpoints.to_string()).await;
+    overwrite(&app, app.client_id().await, &endpoints.to_string()).await;
     assert_eq!(signing(&app).await, std::slice::from_ref(&older), "a secret in the clear still signs");
 
-    let report = migrate(&app).await;
+    let counted = migrate(&app, &[]).await;
+    assert!(counted.contains("1 webhook secret(s) are kept in the clear by an older version"), "{counted}");
+    assert!(stored(&app).await.contains(&older), "sealed before it was asked to");
+    let report = migrate(&app, &["--seal-webhook-secrets"]).await;
     assert!(report.contains("1 webhook secret(s) kept in the clear are sealed now"), "{report}");
     let kept = stored(&app).await;
     assert!(!kept.contains(&older) && !kept.contains("whsec_"), "still in the clear: {kept}");
     assert_eq!(signing(&app).await, [older], "sealed, it is the same secret");
-    let again = migrate(&app).await;
-    assert!(!again.contains("sealed now"), "a second migrate has nothing to seal: {again}");
+    let again = migrate(&app, &["--seal-webhook-secrets"]).await;
+    assert!(!again.contains("sealed now") && !again.contains("in the clear"), "nothing left: {again}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,7 +137,7 @@ async fn with_a_kms_key_secrets_are_sealed_under_data_keys_only_kms_opens() {
     let store = app.endpoints().await;
     let endpoint = store.list(app.client_id().await).await.unwrap().remove(0);
     let sealed = &endpoint.secrets[0].value;
-    let id = endpoint.id.to_string();
+    let id = format!("{}/{}", app.client_id().await, endpoint.id);
     let with_kms = SealingSettings { kms_key: Some(key_id.clone()), key_file: None };
     let opener = Sealer::new(&with_kms, &app.keys.settings).await.unwrap();
     assert_eq!(opener.open(sealed, &id).await.unwrap(), secret);

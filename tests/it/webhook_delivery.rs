@@ -253,8 +253,9 @@ async fn a_receiver_down_for_a_while_gets_everything_at_the_pace_it_asks_for() {
 /// The secret of the app's one endpoint, read from the key table.
 async fn receiver_secret(app: &TestApp) -> String {
     let store = app.endpoints().await;
-    let endpoint = store.list(app.client_id().await).await.unwrap().remove(0);
-    store.signing_secrets(&endpoint, keyfence::domain::Millis::now().get()).await.unwrap().remove(0).value
+    let client = app.client_id().await;
+    let endpoint = store.list(client).await.unwrap().remove(0);
+    store.signing_secrets(client, &endpoint, keyfence::domain::Millis::now().get()).await.unwrap().remove(0).value
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -126,7 +126,7 @@ async fn an_operator_adds_rotates_and_removes_an_endpoint_from_the_cli() {
     let store = app.endpoints().await;
     let endpoint = store.list(app.client_id().await).await.unwrap().remove(0);
     let now = keyfence::domain::Millis::now().get();
-    let opened = store.signing_secrets(&endpoint, now).await.unwrap();
+    let opened = store.signing_secrets(app.client_id().await, &endpoint, now).await.unwrap();
     let signing: Vec<&str> = opened.iter().map(|s| s.value.as_str()).collect();
     assert_eq!(
         signing,

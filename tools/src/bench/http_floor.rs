@@ -50,6 +50,7 @@ struct Threads {
 /// serve's be).
 const LIMITS: Limits = Limits {
     header_read: Duration::from_secs(10),
+    idle: Duration::from_secs(75),
     body_read: Duration::from_secs(10),
     max_connections: 1024,
     per_address: 1024,
