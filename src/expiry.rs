@@ -143,12 +143,35 @@ pub async fn run_until_stopped<K: KeyStore + 'static>(
                 continue;
             }
         }
-        let report = sweep(engine.keys(), engine.clock().now(), options, &Silent).await;
+        // The lease is renewed while the sweep runs; lost, the sweep stops.
+        let swept = tokio::select! {
+            report = sweep(engine.keys(), engine.clock().now(), options, &Silent) => Some(report),
+            () = keep_leading(&engine, &leader, interval, term) => None,
+        };
+        let Some(report) = swept else {
+            tracing::warn!("the expiry sweep's lease was lost or could not be renewed; the sweep stopped");
+            metrics::counter!("keyfence_expiry_sweeps_total", "outcome" => "failed").increment(1);
+            continue;
+        };
         let outcome = if report.failures.is_empty() { "swept" } else { "failed" };
         metrics::counter!("keyfence_expiry_sweeps_total", "outcome" => outcome).increment(1);
         metrics::counter!("keyfence_expiry_deleted_total").increment(report.deleted as u64);
+        if report.failures.is_empty() {
+            metrics::gauge!("keyfence_expiry_last_sweep_timestamp_seconds").set(engine.clock().now().as_secs() as f64);
+        }
         if report.deleted > 0 || !report.failures.is_empty() {
             tracing::info!(deleted = report.deleted, failures = report.failures.len(), "expiry sweep");
+        }
+    }
+}
+
+/// Renews the lease every `interval` while a sweep runs; returns once it
+/// is lost (or cannot be renewed).
+async fn keep_leading<K: KeyStore>(engine: &Engine<K>, leader: &Leader, interval: Duration, term: Duration) {
+    loop {
+        tokio::time::sleep(interval).await;
+        if !matches!(leader.lead(engine.clock().now(), term).await, Ok(true)) {
+            return;
         }
     }
 }

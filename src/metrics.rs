@@ -26,6 +26,7 @@
 //! | `keyfence_recovery_sweeps_total`, `keyfence_recovery_outcomes_total` | `outcome` | sweeps (`completed`, `failed`), and what became of each key found |
 //! | `keyfence_expiry_sweeps_total` | `outcome` | rounds of `serve`'s expiry sweeper: `swept`, `led_elsewhere` (another instance leads the sweep), `failed` |
 //! | `keyfence_expiry_deleted_total` | | expired keys its sweeps deleted |
+//! | `keyfence_expiry_last_sweep_timestamp_seconds` | | when this instance last finished a sweep without a failure (a gauge; absent on an instance that never led one) |
 //! | `keyfence_indeterminate_requests`, `keyfence_indeterminate_oldest_seconds` | | the region's external calls marked indeterminate, and the age of the oldest request among them, at the last sweep (gauges) |
 //! | `keyfence_region_declared_failed` | `region` | 1 while that region is declared failed (a gauge) |
 //! | `keyfence_key_store_seconds` | `op` | latency of each key-store operation |
@@ -111,6 +112,11 @@ fn describe() {
         "Rounds of the expiry sweeper: swept, led elsewhere (another instance sweeps), or failed"
     );
     describe_counter!("keyfence_expiry_deleted_total", "Expired keys the expiry sweeper deleted");
+    describe_gauge!(
+        "keyfence_expiry_last_sweep_timestamp_seconds",
+        Unit::Seconds,
+        "When this instance last finished an expiry sweep without a failure (seconds since the epoch)"
+    );
     describe_counter!("keyfence_recovery_outcomes_total", "What recovery sweeps did with each stale key, by outcome");
     describe_gauge!(
         "keyfence_indeterminate_requests",

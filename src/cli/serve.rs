@@ -136,11 +136,11 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
                 secrets.left
             );
         }
-        anyhow::ensure!(
-            secrets.failed == 0,
-            "the webhook secrets of {} client(s) could not be read or sealed (the log says why); run migrate again",
-            secrets.failed
-        );
     }
+    anyhow::ensure!(
+        done.webhook_secrets.failed == 0,
+        "the webhook secrets of {} client(s) could not be read or sealed (the log says why); run migrate again",
+        done.webhook_secrets.failed
+    );
     Ok(())
 }

@@ -1,16 +1,19 @@
 //! A connection's reads bounded by what it waits for, on two clocks: a
 //! request's head must arrive within `head` of its first byte (a new
 //! connection's first head within `head` of opening), and a keep-alive
-//! connection idle between requests is closed after `idle`. One clock for
-//! both (hyper's header timeout, which runs from the end of one answer to
-//! the end of the next head) either closes idle connections before a load
-//! balancer in front stops reusing them, which it sees as a reset and
-//! answers 502, or gives a client trickling a head as long as an idle
-//! connection.
+//! connection idle between requests is closed after `idle`, counted from
+//! the last write of its last answer. One clock for both (hyper's header
+//! timeout, which runs from the end of one answer to the end of the next
+//! head) either closes idle connections before a load balancer in front
+//! stops reusing them, which it sees as a reset and answers 502, or gives a
+//! client trickling a head as long as an idle connection.
 //!
 //! What the connection waits for is told by the service that answers it
 //! ([`Phase`]): from a request's head to its answer, reads are the body's
-//! (bounded elsewhere); from an answer on, the next head is awaited.
+//! (bounded elsewhere); from an answer on, the next head is awaited. The
+//! idle clock is started (and moved on) by the answer's writes, which run
+//! on the connection's task after its last read: a clock started only by a
+//! read would never be polled until the peer sent something.
 
 use std::future::Future;
 use std::io;
@@ -23,25 +26,36 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
-/// Whether a connection is answering a request, shared by its reads and the
-/// service that answers it.
+/// Where a connection is, shared by its reads and writes, the service
+/// that answers it, and the task that serves it.
 #[derive(Debug, Default)]
 pub struct Phase {
+    /// From a request's head to its answer.
     answering: AtomicBool,
-    /// Answers made: a read that sees a new one starts the next wait afresh.
-    answered: AtomicU64,
+    /// From a head's first byte to the head's end.
+    in_head: AtomicBool,
+    /// Requests answered or being answered: a read or write that sees a
+    /// new one drops the clock its head ran on.
+    requests: AtomicU64,
 }
 
 impl Phase {
     /// A request's head has arrived: its answer is being made.
     pub fn answering(&self) {
+        self.in_head.store(false, Ordering::Relaxed);
+        self.requests.fetch_add(1, Ordering::Relaxed);
         self.answering.store(true, Ordering::Relaxed);
     }
 
     /// The answer is made: the connection awaits the next head.
     pub fn answered(&self) {
         self.answering.store(false, Ordering::Relaxed);
-        self.answered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether the connection is busy with a request (its head begun, or
+    /// its answer in the making), not idle between requests.
+    pub fn busy(&self) -> bool {
+        self.answering.load(Ordering::Relaxed) || self.in_head.load(Ordering::Relaxed)
     }
 }
 
@@ -65,40 +79,64 @@ pub struct ReadDeadline<S> {
     head: Duration,
     idle: Duration,
     phase: Arc<Phase>,
-    /// The clock running, and when it runs out; none while answering.
-    running: Option<(Clock, Pin<Box<Sleep>>)>,
-    /// The answers made when this last read.
+    /// The clock running, if any (none while answering).
+    clock: Option<Clock>,
+    /// When the running clock runs out.
+    deadline: Pin<Box<Sleep>>,
+    /// The requests seen when the clock last changed.
     seen: u64,
 }
 
 impl<S> ReadDeadline<S> {
     /// A new connection, whose first head must arrive within `head`.
     pub fn new(inner: S, head: Duration, idle: Duration, phase: Arc<Phase>) -> Self {
-        let running = Some((Clock::Head, Box::pin(tokio::time::sleep(head))));
-        Self { inner, head, idle, phase, running, seen: 0 }
+        phase.in_head.store(true, Ordering::Relaxed);
+        let deadline = Box::pin(tokio::time::sleep(head));
+        Self { inner, head, idle, phase, clock: Some(Clock::Head), deadline, seen: 0 }
+    }
+
+    /// Drops the clock of a head that has since been answered.
+    fn catch_up(&mut self) {
+        let requests = self.phase.requests.load(Ordering::Relaxed);
+        if requests != self.seen {
+            self.seen = requests;
+            self.clock = None;
+        }
     }
 
     fn start(&mut self, clock: Clock) {
         let limit = if clock == Clock::Head { self.head } else { self.idle };
-        self.running = Some((clock, Box::pin(tokio::time::sleep_until(Instant::now() + limit))));
+        self.phase.in_head.store(clock == Clock::Head, Ordering::Relaxed);
+        self.clock = Some(clock);
+        self.deadline.as_mut().reset(Instant::now() + limit);
+    }
+
+    /// A write of an answer (or its flush): once the answer is made, the
+    /// idle clock starts from the last one, and is polled here, on the
+    /// connection's task, so that it wakes it.
+    fn wrote(&mut self, cx: &mut Context<'_>) {
+        self.catch_up();
+        if self.phase.answering.load(Ordering::Relaxed) || self.clock == Some(Clock::Head) {
+            return;
+        }
+        self.start(Clock::Idle);
+        // Pending, just reset: this registers the task's waker.
+        let _ = self.deadline.as_mut().poll(cx);
     }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for ReadDeadline<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        let answered = this.phase.answered.load(Ordering::Relaxed);
-        if this.phase.answering.load(Ordering::Relaxed) || answered != this.seen {
-            this.running = None;
-            this.seen = answered;
-        }
+        this.catch_up();
         if this.phase.answering.load(Ordering::Relaxed) {
+            this.clock = None;
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
         let arrived = matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before;
-        match (this.running.as_ref().map(|(clock, _)| *clock), arrived) {
+        match (this.clock, arrived) {
             (None | Some(Clock::Idle), true) => this.start(Clock::Head),
             (None, false) => this.start(Clock::Idle),
             _ => {}
@@ -106,12 +144,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for ReadDeadline<S> {
         if polled.is_ready() {
             return polled;
         }
-        let Some((clock, sleep)) = this.running.as_mut() else { return Poll::Pending };
-        match sleep.as_mut().poll(cx) {
+        match this.deadline.as_mut().poll(cx) {
             Poll::Ready(()) => {
-                let why = match clock {
-                    Clock::Head => "the request's head did not arrive in time",
-                    Clock::Idle => "the connection was idle for longer than the idle timeout",
+                let why = match this.clock {
+                    Some(Clock::Head) => "the request's head did not arrive in time",
+                    _ => "the connection was idle for longer than the idle timeout",
                 };
                 Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, ReadExpired(why))))
             }
@@ -122,7 +159,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for ReadDeadline<S> {
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for ReadDeadline<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        this.wrote(cx);
+        Pin::new(&mut this.inner).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -130,7 +169,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for ReadDeadline<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        this.wrote(cx);
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -138,7 +179,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for ReadDeadline<S> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        this.wrote(cx);
+        Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -152,22 +195,34 @@ mod tests {
 
     use super::*;
 
-    #[tokio::test(start_paused = true)]
-    async fn an_idle_connection_outlasts_the_head_clock_and_a_begun_head_does_not() {
+    /// A connection that has read one request and written its answer.
+    async fn answered_once(
+        head: Duration,
+        idle: Duration,
+    ) -> (tokio::io::DuplexStream, ReadDeadline<tokio::io::DuplexStream>) {
         let (mut peer, ours) = duplex(1024);
         let phase = Arc::new(Phase::default());
-        let mut reads = ReadDeadline::new(ours, Duration::from_secs(1), Duration::from_secs(60), phase.clone());
-        let mut buf = [0_u8; 64];
+        let mut reads = ReadDeadline::new(ours, head, idle, phase.clone());
         peer.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        assert!(reads.read(&mut buf).await.unwrap() > 0);
+        assert!(reads.read(&mut [0_u8; 64]).await.unwrap() > 0);
         phase.answering();
+        assert!(phase.busy());
         phase.answered();
-        // Idle for 30 s, past the head clock: then a head's first bytes.
+        reads.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+        assert!(!phase.busy(), "idle once answered");
+        (peer, reads)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_outlasts_the_head_clock_and_a_begun_head_does_not() {
+        let (mut peer, mut reads) = answered_once(Duration::from_secs(1), Duration::from_secs(60)).await;
         let waiting = tokio::spawn(async move {
+            let mut buf = [0_u8; 64];
             let first = reads.read(&mut buf).await.map(|_| ());
             let rest = reads.read(&mut buf).await;
             (first, rest)
         });
+        // Idle for 30 s, past the head clock: then a head's first bytes.
         tokio::time::sleep(Duration::from_secs(30)).await;
         peer.write_all(b"GET").await.unwrap();
         let (first, rest) = waiting.await.unwrap();
@@ -180,20 +235,37 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_idle_connection_closes_after_the_idle_clock_and_a_new_one_after_the_head_clock() {
         let (_peer, ours) = duplex(1024);
-        let phase = Arc::new(Phase::default());
-        let mut reads = ReadDeadline::new(ours, Duration::from_secs(1), Duration::from_secs(60), phase.clone());
+        let mut reads = ReadDeadline::new(ours, Duration::from_secs(1), Duration::from_secs(60), Arc::default());
         let started = Instant::now();
         let silent = reads.read(&mut [0_u8; 8]).await.unwrap_err();
         assert!(silent.to_string().contains("head") && started.elapsed() == Duration::from_secs(1), "{silent}");
 
-        let (mut peer, ours) = duplex(1024);
-        let mut reads = ReadDeadline::new(ours, Duration::from_secs(1), Duration::from_secs(60), phase.clone());
-        peer.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        assert!(reads.read(&mut [0_u8; 64]).await.unwrap() > 0);
-        phase.answering();
-        phase.answered();
+        let (_peer, mut reads) = answered_once(Duration::from_secs(1), Duration::from_secs(60)).await;
         let idled = Instant::now();
         let idle = reads.read(&mut [0_u8; 8]).await.unwrap_err();
         assert!(idle.to_string().contains("idle") && idled.elapsed() == Duration::from_secs(60), "{idle}");
+    }
+
+    /// The idle clock wakes the connection's task by itself: its waker is
+    /// registered by the answer's last write, with no read after it.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_clock_started_by_the_last_write_wakes_the_task() {
+        let (_peer, mut reads) = answered_once(Duration::from_secs(1), Duration::from_secs(60)).await;
+        let woken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waker = waker_fn(woken.clone());
+        let mut cx = Context::from_waker(&waker);
+        assert!(Pin::new(&mut reads).poll_flush(&mut cx).is_ready());
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        assert!(woken.load(Ordering::SeqCst), "nothing woke the task when the idle clock ran out");
+    }
+
+    fn waker_fn(woken: Arc<std::sync::atomic::AtomicBool>) -> std::task::Waker {
+        struct Flag(Arc<std::sync::atomic::AtomicBool>);
+        impl std::task::Wake for Flag {
+            fn wake(self: Arc<Self>) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        std::task::Waker::from(Arc::new(Flag(woken)))
     }
 }

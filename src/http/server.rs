@@ -9,9 +9,10 @@
 //! peer address, an IPv6 peer's /64 counting as one (further ones are
 //! closed at once); a connection serves at
 //! most `requests_per_connection` requests and lives at most `max_age`,
-//! then it is closed after its request in flight (`Connection: close`), so
-//! no client can hold its connections for ever, however politely it
-//! trickles requests.
+//! then it is closed after its request in flight (`Connection: close`; one
+//! idle at its age is closed by its idle clock or after its next request,
+//! never under a client that may be sending on it), so no client can hold
+//! its connections for ever, however politely it trickles requests.
 //!
 //! Nor however rudely: a write the peer leaves waiting for `write_stall`
 //! ends the connection ([`WriteDeadline`], and `TCP_USER_TIMEOUT` for what
@@ -149,19 +150,35 @@ pub async fn serve(
             answered.answered();
             response
         });
+        let busy = phase.clone();
         let stream =
             ReadDeadline::new(WriteDeadline::new(stream, limits.write_stall), limits.header_read, limits.idle, phase);
         let connection = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
         let mut stopping = stopping.clone();
         connections.spawn(async move {
             tokio::pin!(connection);
-            // An idle connection past its age, or at shutdown, is closed;
-            // one with a request in flight closes once it is answered, or
-            // is dropped when it has not been within `drain`.
-            let ended = tokio::select! {
-                ended = connection.as_mut() => Some(ended),
-                () = tokio::time::sleep_until(opened + limits.max_age) => None,
-                _ = stopping.changed() => None,
+            // At shutdown, or busy with a request at its age, a connection
+            // closes once answered, or is dropped when it has not been
+            // within `drain` (an idle one closes at once). One idle at its
+            // age is left to its idle clock, or to its next answer, which
+            // closes it (`Connection: close`): closing it under a load
+            // balancer that may be sending on it would cost that request a
+            // 502. What it does after its age is bounded by the head, body
+            // and write limits.
+            let aged = tokio::time::sleep_until(opened + limits.max_age);
+            tokio::pin!(aged);
+            let mut past_age = false;
+            let ended = loop {
+                tokio::select! {
+                    ended = connection.as_mut() => break Some(ended),
+                    () = &mut aged, if !past_age => {
+                        past_age = true;
+                        if busy.busy() {
+                            break None;
+                        }
+                    }
+                    _ = stopping.changed() => break None,
+                }
             };
             let ended = match ended {
                 Some(ended) => Some(ended),

@@ -169,6 +169,9 @@ impl RegionStore {
     /// (the only one of the registry `serve` may write). Not a change of
     /// state: the epoch stays. The registry must exist ([`Self::create`]).
     pub async fn advertise(&self, region: &str, url: &str) -> Result<(), RegionsError> {
+        if url.len() > URL_LIMIT {
+            return Err(RegionsError::Invalid(format!("a region's URL is at most {URL_LIMIT} bytes")));
+        }
         let sent = self
             .client
             .update_item()

@@ -308,13 +308,51 @@ async fn an_idle_keep_alive_connection_outlasts_the_header_timeout_but_not_its_o
     assert_eq!(n, 0, "{}", String::from_utf8_lossy(&chunk[..n]));
     assert!(begun.elapsed() < Duration::from_millis(1400), "cut after {:?}, not by the head clock", begun.elapsed());
 
+    // Idle after an answer that waited on the stores (its handler yielded).
     let mut idle = TcpStream::connect(&host).await.unwrap();
-    idle.write_all(get.as_bytes()).await.unwrap();
+    let read = format!(
+        "GET /v1/idempotency-keys/never-used HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {}\r\n\r\n",
+        app.api_key
+    );
+    idle.write_all(read.as_bytes()).await.unwrap();
     let n = tokio::time::timeout(Duration::from_secs(5), idle.read(&mut chunk)).await.unwrap().unwrap();
-    assert!(String::from_utf8_lossy(&chunk[..n]).starts_with("HTTP/1.1 200"));
+    assert!(
+        String::from_utf8_lossy(&chunk[..n]).starts_with("HTTP/1.1 404"),
+        "{}",
+        String::from_utf8_lossy(&chunk[..n])
+    );
     let answered = Instant::now();
     let n = tokio::time::timeout(Duration::from_secs(10), idle.read(&mut chunk)).await.unwrap().unwrap_or(0);
     assert_eq!(n, 0);
     let lasted = answered.elapsed();
     assert!(lasted >= Duration::from_millis(2500) && lasted < Duration::from_secs(6), "idle for {lasted:?}, of 3 s");
+}
+
+/// A connection idle at its age is not closed under its client (a load
+/// balancer may be sending on it at that moment): its next answer says
+/// `Connection: close`, and the connection closes behind it.
+#[tokio::test]
+async fn a_connection_idle_at_its_age_closes_after_its_next_answer_not_under_it() {
+    let app = spawn_app_with(|s| {
+        s.max_connection_age = Duration::from_millis(500);
+        s.idle_timeout = Duration::from_secs(10);
+    })
+    .await;
+    let host = app.url.trim_start_matches("http://").to_owned();
+    let get = format!("GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    let mut chunk = [0_u8; 4096];
+    let mut stream = TcpStream::connect(&host).await.unwrap();
+    stream.write_all(get.as_bytes()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk)).await.unwrap().unwrap();
+    assert!(!String::from_utf8_lossy(&chunk[..n]).to_lowercase().contains("connection: close"));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stream.write_all(get.as_bytes()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk)).await.unwrap().unwrap_or(0);
+    let head = String::from_utf8_lossy(&chunk[..n]).to_lowercase();
+    assert!(
+        head.starts_with("http/1.1 200") && head.contains("connection: close"),
+        "closed under its client: {head:?}"
+    );
+    let after = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk)).await.unwrap().unwrap_or(0);
+    assert_eq!(after, 0, "closed behind its answer");
 }
