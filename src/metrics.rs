@@ -26,6 +26,7 @@
 //! | `keyfence_recovery_sweeps_total`, `keyfence_recovery_outcomes_total` | `outcome` | sweeps (`completed`, `failed`), and what became of each key found |
 //! | `keyfence_expiry_sweeps_total` | `outcome` | rounds of `serve`'s expiry sweeper: `swept`, `led_elsewhere` (another instance leads the sweep), `failed` |
 //! | `keyfence_expiry_deleted_total` | | expired keys its sweeps deleted |
+//! | `keyfence_webhook_secrets_in_clear_total` | | webhook secrets used as an older version kept them, in the clear (`keyfence migrate --seal-webhook-secrets` seals them) |
 //! | `keyfence_expiry_last_sweep_timestamp_seconds` | | when this instance last finished a sweep without a failure (a gauge; absent on an instance that never led one) |
 //! | `keyfence_indeterminate_requests`, `keyfence_indeterminate_oldest_seconds` | | the region's external calls marked indeterminate, and the age of the oldest request among them, at the last sweep (gauges) |
 //! | `keyfence_region_declared_failed` | `region` | 1 while that region is declared failed (a gauge) |
@@ -112,6 +113,10 @@ fn describe() {
         "Rounds of the expiry sweeper: swept, led elsewhere (another instance sweeps), or failed"
     );
     describe_counter!("keyfence_expiry_deleted_total", "Expired keys the expiry sweeper deleted");
+    describe_counter!(
+        "keyfence_webhook_secrets_in_clear_total",
+        "Webhook secrets used as an older version kept them, in the clear (migrate --seal-webhook-secrets seals them)"
+    );
     describe_gauge!(
         "keyfence_expiry_last_sweep_timestamp_seconds",
         Unit::Seconds,

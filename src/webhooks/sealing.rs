@@ -184,7 +184,8 @@ impl Sealer {
         Ok(format!("{SEALED}.{kind}.{label}.{sealed}"))
     }
 
-    /// The secret `stored` holds for `context` (what it was sealed for): opened if sealed, as it is if stored before secrets were sealed.
+    /// The secret `stored` holds for `context` (what it was sealed for):
+    /// opened if sealed, as it is if stored before secrets were sealed.
     pub async fn open(&self, stored: &str, context: &str) -> Result<String, SealError> {
         if !is_sealed(stored) {
             metrics::counter!("keyfence_webhook_secrets_in_clear_total").increment(1);
